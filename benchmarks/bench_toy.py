@@ -1,0 +1,100 @@
+"""Toy transformer: eager vs graphcap (segmented and whole-graph decode) per token count.
+
+GPU only. Each step is a batch of ``n`` decode tokens (one per sequence, 64 tokens of context)
+run through ``CaptureManager.run``: eager = graphs disabled; segmented = graph segments with
+the attention splice eager between them; whole = one graph through the graph-safe splice.
+Times are medians of CUDA-event timed steps after warm-up, each step including the host work
+(plan, input copy-in, replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+from graphcap import CaptureConfig, CaptureManager  # noqa: E402
+from graphcap.report import measure_coverage  # noqa: E402
+from toy_transformer import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs  # noqa: E402
+
+
+def time_steps(manager: CaptureManager, step, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        manager.run(step)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        manager.run(step)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default="bench_toy.json")
+    args = parser.parse_args()
+    counts = [int(x) for x in args.tokens.split(",")]
+    ceiling = max(counts)
+    cfg = ToyConfig(num_layers=args.layers, hidden=args.hidden, num_heads=16, vocab=32000, max_seqs=ceiling, max_len=128, max_tokens=ceiling)
+    torch.manual_seed(0)
+    model = ToyTransformer(cfg, "cuda", torch.bfloat16)
+    model.k_cache.normal_(), model.v_cache.normal_()
+    static = toy_static_inputs(cfg, "cuda")
+
+    def manager_for(config: CaptureConfig) -> CaptureManager:
+        m = CaptureManager(model.forward, static, config, prepare=toy_prepare(model), dummy_step=toy_dummy_step(cfg))
+        m.register("model", model)
+        m.register("kv_cache", model.cache_tensors, mutable=True)
+        return m
+
+    eager = manager_for(CaptureConfig(enabled=False, max_tokens=ceiling))
+    graphs = manager_for(CaptureConfig(enabled=True, max_tokens=ceiling, buckets=tuple(counts), validate=True))
+    graphs.capture()
+    rows = []
+    for n in counts:
+        decode = make_step(cfg, [(i, 64, 1) for i in range(n)])
+        mixed = make_step(cfg, [(i, 64, 1) for i in range(n)])
+        mixed.uniform_decode = False  # forces the segmented graph of the same bucket
+        e = time_steps(eager, decode, args.iters)
+        s = time_steps(graphs, mixed, args.iters)
+        w = time_steps(graphs, decode, args.iters)
+        seg, whole = graphs.stats.bucket(n, False), graphs.stats.bucket(n, True)
+        rows.append(dict(
+            tokens=n, eager_ms=e, segmented_ms=s, whole_ms=w, speedup_segmented=e / s, speedup_whole=e / w,
+            capture_ms_segmented=seg.capture_ms, capture_ms_whole=whole.capture_ms,
+            mib_segmented=seg.memory_mib, mib_whole=whole.memory_mib, segments=seg.segments,
+        ))
+    cov = measure_coverage(graphs, make_step(cfg, [(i, 64, 1) for i in range(8)]))
+    result = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        model=dict(layers=cfg.num_layers, hidden=cfg.hidden, heads=cfg.num_heads, vocab=cfg.vocab, context=64, dtype="bf16"),
+        validation_failures={str(k): v for k, v in graphs.failures.items()},
+        total_capture_ms=graphs.stats.capture_ms, total_graph_mib=graphs.stats.memory_mib,
+        coverage_decode8=cov.as_dict(), rows=rows,
+    )
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"GPU {result['gpu']}, toy {cfg.num_layers} layers x hidden {cfg.hidden}, bf16, decode batches, context 64")
+    print(f"{'tokens':>6} {'eager ms':>9} {'segm ms':>8} {'whole ms':>9} {'x segm':>7} {'x whole':>8} {'cap ms s/w':>12} {'MiB s/w':>12}")
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['eager_ms']:>9.3f} {r['segmented_ms']:>8.3f} {r['whole_ms']:>9.3f} {r['speedup_segmented']:>7.2f} "
+              f"{r['speedup_whole']:>8.2f} {r['capture_ms_segmented']:>5.0f}/{r['capture_ms_whole']:<6.0f} {r['mib_segmented']:>5.1f}/{r['mib_whole']:<6.1f}")
+    print(f"capture total {graphs.stats.capture_ms:.0f} ms, {graphs.stats.memory_mib:.1f} MiB; validation failures: {graphs.failures or 'none'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Reports: per-bucket stats and measured coverage (kernels in graphs vs eager), with rich."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .splice import Step
+
+_GRAPH_LAUNCH = "cudaGraphLaunch"
+
+
+@dataclass
+class Coverage:
+    """One profiled step: what ran inside graphs and what ran eagerly.
+
+    On a GPU the unit is kernels and GPU microseconds; on a CPU (debug-eager, no graphs) the
+    unit is aten ops, attributed to producer segments or splices.
+    """
+
+    unit: str
+    in_graphs: int = 0
+    in_graphs_us: float = 0.0
+    eager: int = 0
+    eager_us: float = 0.0
+    eager_by_site: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+
+    @property
+    def fraction_in_graphs(self) -> float:
+        total = self.in_graphs + self.eager
+        return self.in_graphs / total if total else 0.0
+
+    def non_attention_eager(self) -> dict[str, Counter]:
+        """Eager work outside attention splices: the list a user should drive to empty."""
+        return {site: c for site, c in self.eager_by_site.items() if "attention" not in site}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "unit": self.unit,
+            "in_graphs": self.in_graphs,
+            "in_graphs_us": round(self.in_graphs_us, 2),
+            "eager": self.eager,
+            "eager_us": round(self.eager_us, 2),
+            "fraction_in_graphs": round(self.fraction_in_graphs, 4),
+            "eager_by_site": {k: dict(v) for k, v in self.eager_by_site.items()},
+        }
+
+
+def _site(ts: float, ranges: list[tuple[float, float, str]]) -> str:
+    for start, end, name in ranges:
+        if start <= ts <= end:
+            return name
+    return "outside splices (input copy-in, plan)"
+
+
+def measure_coverage(manager: Any, step: Step) -> Coverage:
+    """Profile ``manager.run(step)`` once and attribute every kernel (GPU) or aten op (CPU).
+
+    A GPU kernel whose launch is a ``cudaGraphLaunch`` ran inside a graph; any other kernel
+    ran eagerly and is attributed to the splice range (or neither) that launched it.
+    """
+    cuda = manager.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    manager.run(step)  # keep first-use costs out of the profile
+    with torch.profiler.profile(activities=activities) as prof:
+        manager.run(step)
+        if cuda:
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"].split(":", 1)[1])
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("graphcap.splice:")
+    )
+    cov = Coverage(unit="kernels" if cuda else "aten ops")
+    if cuda:
+        launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+        for k in (e for e in events if e.get("cat") == "kernel"):
+            launch = launches.get(k["args"].get("correlation"))
+            if launch is not None and launch["name"] == _GRAPH_LAUNCH:
+                cov.in_graphs += 1
+                cov.in_graphs_us += k["dur"]
+            else:
+                cov.eager += 1
+                cov.eager_us += k["dur"]
+                cov.eager_by_site[_site(launch["ts"], ranges) if launch else "unknown launch"][k["name"][:80]] += 1
+    else:
+        for op in (e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")):
+            site = _site(op["ts"], ranges)
+            if site.startswith("outside"):
+                cov.in_graphs += 1  # producer code: what a GPU run would capture
+                cov.in_graphs_us += op["dur"]
+            else:
+                cov.eager += 1
+                cov.eager_us += op["dur"]
+                cov.eager_by_site[site][op["name"]] += 1
+    return cov
+
+
+def stats_table(manager: Any) -> Table:
+    """Per-bucket stats as a rich table."""
+    table = Table(title="graphcap buckets")
+    for col in ("bucket", "graph", "status", "hits", "padding", "segments", "splices", "capture ms", "MiB", "note"):
+        table.add_column(col, justify="right" if col not in ("graph", "status", "note") else "left")
+    for (bucket, full), s in sorted(manager.stats.buckets.items()):
+        table.add_row(
+            str(bucket), "whole" if full else "segmented", s.status, str(s.hits), f"{100 * s.padding_waste:.0f}%",
+            str(s.segments), str(s.splices), f"{s.capture_ms:.1f}", f"{s.memory_mib:.1f}", s.reason[:60],
+        )
+    st = manager.stats
+    table.caption = (
+        f"eager (disabled) {st.eager_steps} | above ceiling {st.fallbacks} | dropped-bucket fallbacks "
+        f"{st.dropped_fallbacks} | invalidations {st.invalidations} | recaptures {st.recaptures} | "
+        f"capture {st.capture_ms:.0f} ms, {st.memory_mib:.1f} MiB"
+    )
+    return table
+
+
+def coverage_table(cov: Coverage) -> Table:
+    table = Table(title=f"coverage per forward ({cov.unit})")
+    table.add_column("where")
+    table.add_column(cov.unit, justify="right")
+    table.add_column("time us", justify="right")
+    table.add_row("inside graphs" if cov.unit == "kernels" else "producer segments", str(cov.in_graphs), f"{cov.in_graphs_us:.1f}")
+    table.add_row("eager", str(cov.eager), f"{cov.eager_us:.1f}")
+    for site, names in sorted(cov.eager_by_site.items()):
+        for name, count in names.most_common():
+            table.add_row(f"  {site}: {name}", str(count), "")
+    table.caption = f"{100 * cov.fraction_in_graphs:.1f}% of {cov.unit} in graphs"
+    return table
+
+
+def print_report(manager: Any, coverage: Coverage | None = None, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(stats_table(manager))
+    if coverage is not None:
+        console.print(coverage_table(coverage))

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU suite: every `cuda`-marked test and every benchmark, in one call, for the device
+# machine. Writes one log and the JSON results under $OUT (default ./out).
+#
+#   scripts/gpu_suite.sh                 # tests, toy benchmark, kernel benchmark, profile
+#   scripts/gpu_suite.sh tests toy       # a subset, in the order given
+#
+# flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into
+# /tmp/site when present.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+LOG="$OUT/suite.log"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if ls .whl/apache_tvm_ffi-*.whl >/dev/null 2>&1 && [ -f .whl/flashinfer-0.7.4-site.tar.xz ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/apache_tvm_ffi-*.whl \
+    && tar -xJf .whl/flashinfer-0.7.4-site.tar.xz -C /tmp/site \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests toy kernels profile)
+status=0
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
+} 2>&1 | tee "$LOG"
+for part in "${parts[@]}"; do
+  echo "=== $part ($(date +%T)) ===" | tee -a "$LOG"
+  case "$part" in
+    tests)   python3 -m pytest -m cuda -q -rs --timeout 300 tests/ 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    toy)     python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    kernels) python3 benchmarks/bench_attention_kernels.py --json "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    profile) python3 examples/profile_forward.py --preset rank-of-8 --layers 8 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    *)       python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+  esac
+  echo "=== $part exit $rc ===" | tee -a "$LOG"
+  [ "$rc" -ne 0 ] && status=1
+done
+exit $status

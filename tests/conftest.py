@@ -1,0 +1,19 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "examples")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run scripts/gpu_suite.sh on the device)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,242 @@
+"""Real capture and replay on a GPU: the toy transformer through CaptureManager."""
+
+import pytest
+import torch
+
+from graphcap import CaptureConfig, CaptureManager, CaptureViolation, Step, splice
+from graphcap.validation import relative_error
+from toy_transformer import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
+
+pytestmark = pytest.mark.cuda
+
+CFG = ToyConfig(num_layers=4, hidden=256, num_heads=4, vocab=512, max_seqs=16, max_len=128, max_tokens=64)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def build(config: CaptureConfig, forward=None, seed=0):
+    torch.manual_seed(seed)
+    model = ToyTransformer(CFG, "cuda", torch.bfloat16)
+    manager = CaptureManager(
+        forward or model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG)
+    )
+    manager.register("model", model)
+    manager.register("kv_cache", model.cache_tensors, mutable=True)
+    return model, manager
+
+
+def eager_of(model, step):
+    """Plain eager logits for a step, with the cache restored afterwards."""
+    k, v = model.k_cache.clone(), model.v_cache.clone()
+    ref_manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), CaptureConfig(max_tokens=CFG.max_tokens), prepare=toy_prepare(model))
+    out = ref_manager.run(step).clone()
+    kk, vv = model.k_cache.clone(), model.v_cache.clone()
+    model.k_cache.copy_(k), model.v_cache.copy_(v)
+    return out, kk, vv
+
+
+def random_step(g, decode):
+    if decode:
+        n = int(torch.randint(1, CFG.max_seqs + 1, (1,), generator=g))
+        seqs = torch.randperm(CFG.max_seqs, generator=g)[:n].tolist()
+        return make_step(CFG, [(s, int(torch.randint(1, CFG.max_len - 1, (1,), generator=g)), 1) for s in seqs], g)
+    chunks, total = [], 0
+    for s in torch.randperm(CFG.max_seqs, generator=g)[:3].tolist():
+        n = int(torch.randint(1, 20, (1,), generator=g))
+        chunks.append((s, int(torch.randint(0, CFG.max_len - n, (1,), generator=g)), n))
+    return make_step(CFG, chunks, g)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_replay_matches_eager_across_steps(decode):
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=BUCKETS))
+    manager.capture()
+    g = torch.Generator().manual_seed(1)
+    model.k_cache.normal_(), model.v_cache.normal_()  # a populated cache: attention reads real context
+    for i in range(8):
+        step = random_step(g, decode)
+        ref, k_ref, v_ref = eager_of(model, step)
+        out = manager.run(step)
+        assert relative_error(out, ref) < 2e-2, f"step {i}"
+        real = slice(0, CFG.max_seqs)
+        assert relative_error(model.k_cache[:, real], k_ref[:, real]) < 1e-2
+    bucket_stats = [s for s in manager.stats.buckets.values() if s.hits]
+    assert bucket_stats and all(s.status == "captured" for s in bucket_stats)
+    assert all(s.full == decode for s in bucket_stats)
+    if not decode:
+        graph = manager.graph(BUCKETS[-1])
+        assert graph.num_segments == CFG.num_layers + 1 and graph.splice_names == ["toy.attention"] * CFG.num_layers
+
+
+def test_validation_passes_for_a_correct_model_and_stats_fill():
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=BUCKETS, validate=True))
+    manager.capture()
+    assert manager.failures == {}
+    for s in manager.stats.buckets.values():
+        assert s.status == "captured" and s.capture_ms > 0
+
+
+class FrozenScalarModel(ToyTransformer):
+    """A bad producer: a per-step Python float read in captured code."""
+
+    temperature = 1.0
+
+    def forward(self, inputs):
+        return super().forward(inputs) * self.temperature
+
+
+class OutsideTensorModel(ToyTransformer):
+    """A bad producer: reads a tensor the caller replaces every step (not a static buffer)."""
+
+    bias = None
+
+    def forward(self, inputs):
+        return super().forward(inputs) + self.bias
+
+
+@pytest.mark.parametrize("kind", ["scalar", "tensor"])
+def test_validation_drops_bad_producers(kind):
+    torch.manual_seed(0)
+    model = (FrozenScalarModel if kind == "scalar" else OutsideTensorModel)(CFG, "cuda", torch.bfloat16)
+    model.bias = torch.zeros(CFG.vocab, device="cuda", dtype=torch.bfloat16)
+    dummy = toy_dummy_step(CFG)
+    # Keep replaced tensors alive: otherwise the allocator may hand the freed block straight
+    # back to the new tensor and the stale read would be right by accident.
+    old_biases = []
+
+    def sample(bucket, full):
+        if kind == "scalar":
+            model.temperature = 3.0 + bucket  # differs from the value frozen at capture
+        else:
+            old_biases.append(model.bias)
+            model.bias = torch.randn(CFG.vocab, device="cuda", dtype=torch.bfloat16) * 10
+        return dummy(bucket, full)
+
+    config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4, 8))
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model), dummy_step=dummy)
+    manager.register("kv_cache", model.cache_tensors, mutable=True)
+    manager.capture()
+    failures = manager.validate(sample)
+    assert set(failures) == {(4, False), (8, False), (4, True), (8, True)}
+    assert all("differs from eager" in r for r in failures.values())
+    assert manager.graph(4) is None
+    # Dropped buckets run eagerly, and correctly.
+    step = sample(4, False)
+    out = manager.run(step)
+    ref, _, _ = eager_of(model, step)
+    assert relative_error(out, ref) < 2e-2
+    assert manager.stats.dropped_fallbacks == 1
+
+
+def test_padded_rows_writing_the_cache_fail_validation():
+    torch.manual_seed(0)
+    model = ToyTransformer(CFG, "cuda", torch.bfloat16)
+    orig = model._write_cache
+    # Bad producer: ignores slot -1 and writes padded rows into sequence 0's row.
+    model._write_cache = lambda layer, slots, k, v: orig(layer, slots.clamp(min=0), k, v)
+    dummy = toy_dummy_step(CFG)
+    config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(8,), full_graph_decode=False)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model), dummy_step=dummy)
+    manager.register("kv_cache", model.cache_tensors, mutable=True)
+    manager.capture()
+    failures = manager.validate(lambda b, f: make_step(CFG, [(3, 0, 5)]))
+    assert "padded rows must write nothing" in failures[(8, False)]
+
+
+def test_host_sync_in_capture_names_the_op_and_leaves_manager_usable():
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)))
+    orig = model.norm.forward
+    model.norm.forward = lambda x: orig(x) * float(x.abs().max().item() > 0)
+    with pytest.raises(CaptureViolation, match=r"_local_scalar_dense.*test_manager_cuda.py"):
+        manager.capture()
+    model.norm.forward = orig
+    manager.capture()  # the failed capture left the stream usable
+    assert manager.graph(4) is not None
+
+
+def test_cpu_tensor_read_in_capture_is_caught():
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)))
+    table = torch.ones(CFG.vocab)
+    orig = model.norm.forward
+    model.norm.forward = lambda x: orig(x) * table[: x.shape[1]].to(x.device)
+    with pytest.raises(CaptureViolation, match="CPU tensor"):
+        manager.capture()
+
+
+def test_reallocated_weight_triggers_recapture_never_a_stale_read():
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4, 8)))
+    manager.capture()
+    step = make_step(CFG, [(0, 0, 3)])
+    manager.run(step)
+    old = model.lm_head.weight.data
+    model.lm_head.weight.data = torch.randn_like(old)  # new storage
+    del old
+    torch.cuda.empty_cache()
+    ref, _, _ = eager_of(model, step)
+    out = manager.run(step)
+    assert manager.stats.invalidations == 1 and manager.stats.recaptures == 1
+    assert relative_error(out, ref) < 2e-2
+
+
+def test_reassigned_parameter_and_moved_cache_are_detected():
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,), recapture_on_invalidation=False))
+    manager.capture()
+    step = make_step(CFG, [(0, 0, 3)])
+    manager.run(step)
+    model.k_cache = model.k_cache.clone()  # the cache moved
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        manager.run(step)
+    with pytest.raises(RuntimeError, match="stale"):
+        manager.run(step)
+    manager.capture()
+    manager.run(step)
+    model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
+    with pytest.raises(RuntimeError, match="reassigned"):
+        manager.run(step)
+
+
+def test_buckets_share_one_pool():
+    buckets = BUCKETS
+    torch.cuda.synchronize()
+    model, shared = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=buckets, full_graph_decode=False))
+    shared.capture()
+    shared_mib = shared.stats.memory_mib
+    separate = []
+    for b in buckets:
+        m = CaptureManager(
+            model.forward, toy_static_inputs(CFG, "cuda"), CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(b,), full_graph_decode=False),
+            prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG),
+        )
+        m.capture()
+        separate.append(m.stats.memory_mib)
+    print(f"one pool: {shared_mib:.1f} MiB; separate pools: {sum(separate):.1f} MiB ({separate})")
+    assert shared_mib < 0.6 * sum(separate)
+
+
+def test_adjacent_splices_and_non_graph_safe_splice_skip_full_graph():
+    calls = []
+
+    @splice("test.host_loop")  # not graph-safe: a whole decode graph must not capture through it
+    def host_side(x, out):
+        calls.append(int(x.shape[0]))
+        out.copy_(x)
+
+    torch.manual_seed(0)
+    model = ToyTransformer(CFG, "cuda", torch.bfloat16)
+
+    def forward(inputs):
+        logits = model.forward(inputs)
+        tmp = torch.empty_like(logits)
+        host_side(logits, tmp)
+        out = torch.empty_like(tmp)
+        host_side(tmp, out)  # adjacent splice: an empty segment between them
+        return out * 2
+
+    manager = CaptureManager(forward, toy_static_inputs(CFG, "cuda"), CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)), prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG))
+    manager.capture()
+    assert manager.stats.bucket(4, True).status == "skipped" and "test.host_loop" in manager.stats.bucket(4, True).reason
+    step = make_step(CFG, [(0, 5, 1), (1, 6, 1)])
+    calls.clear()
+    out = manager.run(step)
+    assert calls == [4, 4]
+    ref = eager_of(model, step)[0] * 2
+    assert relative_error(out, ref) < 2e-2
