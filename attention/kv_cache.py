@@ -1,0 +1,314 @@
+"""Paged K/V and index-K caches, block tables and sequence slots.
+
+One page holds ``page_size`` consecutive positions of one sequence; for MiniMax-M3 the page is
+the sparse block (128 tokens), so a selected logical block is exactly one page.
+
+Sequence slots and headroom: the block table has one row per live sequence. A step may hold
+``max_seqs`` requests, but a request that finishes in a step keeps its row until the caller
+frees it after reading the step's outputs, while the scheduler may already admit its
+replacement into the next (or, with async scheduling, the same) step. So the table holds
+``max_seqs + seq_slot_headroom`` assignable rows (headroom defaults to ``max_seqs``: a whole
+batch can finish and be replaced at once; a row costs only ``max_pages_per_seq`` int32s) plus
+one more row, ``pad_seq_slot``, that is never assigned and stays all ``-1``: padded metadata
+rows point at it, so a graph replayed with padding reads an empty sequence.
+
+Cache writes by slot ``-1`` (padding) must touch no real page. The torch writer redirects them
+to a private sink page stored after the last real page in every layer; the sink is never
+handed out and ``k_cache``/``v_cache``/``index_k_cache`` are views that exclude it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Sizes of the paged caches.
+
+    Attributes:
+        num_layers: decoder layers; every layer has main K/V pages.
+        sparse_layers: layer indices that also cache index-K (sorted, unique).
+        num_kv_heads: K/V heads per layer.
+        head_dim: K/V head width.
+        index_dim: index-K width (one shared index-key head per token).
+        page_size: positions per page; equals the sparse block size.
+        num_pages: real pages per layer (shared by all sequences).
+        max_seqs: requests one step may hold (metadata capacity).
+        max_pages_per_seq: block-table width; a sequence holds at most
+            ``max_pages_per_seq * page_size`` positions.
+        dtype: main K/V storage dtype.
+        index_dtype: index-K storage dtype.
+        device: where the caches live.
+        seq_slot_headroom: extra assignable block-table rows beyond ``max_seqs``; ``None``
+            means ``max_seqs`` (see the module docstring).
+    """
+
+    num_layers: int
+    sparse_layers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    index_dim: int
+    page_size: int
+    num_pages: int
+    max_seqs: int
+    max_pages_per_seq: int
+    dtype: torch.dtype = torch.bfloat16
+    index_dtype: torch.dtype = torch.bfloat16
+    device: torch.device | str = "cpu"
+    seq_slot_headroom: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "index_dim", "page_size", "num_pages",
+                     "max_seqs", "max_pages_per_seq"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"KVCacheConfig.{name} must be a positive int, got {v!r}")
+        if isinstance(self.sparse_layers, list):
+            object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+        sl = self.sparse_layers
+        if not isinstance(sl, tuple) or any(not isinstance(x, int) or isinstance(x, bool) for x in sl):
+            raise ValueError(f"KVCacheConfig.sparse_layers must be a tuple of ints, got {sl!r}")
+        if list(sl) != sorted(set(sl)) or (sl and (sl[0] < 0 or sl[-1] >= self.num_layers)):
+            raise ValueError(
+                f"KVCacheConfig.sparse_layers must be strictly increasing layer ids in "
+                f"[0, num_layers={self.num_layers}), got {sl!r}"
+            )
+        for name in ("dtype", "index_dtype"):
+            if not isinstance(getattr(self, name), torch.dtype):
+                raise ValueError(f"KVCacheConfig.{name} must be a torch.dtype, got {getattr(self, name)!r}")
+        try:
+            object.__setattr__(self, "device", torch.device(self.device))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"KVCacheConfig.device {self.device!r} is not a torch device") from None
+        if self.seq_slot_headroom is None:
+            object.__setattr__(self, "seq_slot_headroom", self.max_seqs)
+        h = self.seq_slot_headroom
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise ValueError(f"KVCacheConfig.seq_slot_headroom must be an int >= 0, got {h!r}")
+
+    @property
+    def max_live_seqs(self) -> int:
+        """Sequences that may hold a block-table row at once."""
+        return self.max_seqs + self.seq_slot_headroom  # type: ignore[operator]
+
+    @property
+    def max_seq_slots(self) -> int:
+        """Block-table rows: the assignable ones plus the pad row."""
+        return self.max_live_seqs + 1
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+
+class PagedKVCache:
+    """Paged caches plus per-sequence page bookkeeping.
+
+    Attributes:
+        k_cache, v_cache: ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
+        index_k_cache: ``[num_sparse_layers, num_pages, page_size, index_dim]``.
+        block_tables: ``int32 [max_seq_slots, max_pages_per_seq]`` on the cache device, ``-1``
+            where unused; row ``pad_seq_slot`` is always all ``-1``.
+    """
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        c = config
+        self.config = c
+        self.page_size = c.page_size
+        self.num_pages = c.num_pages
+        dev = c.device
+        # One extra page per layer: the sink that slot -1 writes land in (see module docstring).
+        self._k_store = torch.zeros(c.num_layers, c.num_pages + 1, c.page_size, c.num_kv_heads, c.head_dim,
+                                    dtype=c.dtype, device=dev)
+        self._v_store = torch.zeros_like(self._k_store)
+        self._ik_store = torch.zeros(len(c.sparse_layers), c.num_pages + 1, c.page_size, c.index_dim,
+                                     dtype=c.index_dtype, device=dev)
+        self.k_cache = self._k_store[:, : c.num_pages]
+        self.v_cache = self._v_store[:, : c.num_pages]
+        self.index_k_cache = self._ik_store[:, : c.num_pages]
+        self._sink_slot = c.num_pages * c.page_size
+        self.block_tables = torch.full((c.max_seq_slots, c.max_pages_per_seq), -1, dtype=torch.int32, device=dev)
+        self.pad_seq_slot = c.max_seq_slots - 1
+        self._sparse_ordinal = {layer: i for i, layer in enumerate(c.sparse_layers)}
+        # Host mirror. Free lists are stacks so the most recently freed page/row is reused first.
+        self._free_pages: list[int] = list(range(c.num_pages - 1, -1, -1))
+        self._free_rows: list[int] = list(range(c.max_live_seqs - 1, -1, -1))
+        self._pages: dict[Hashable, list[int]] = {}
+        self._row: dict[Hashable, int] = {}
+
+    # ---- bookkeeping (host) -------------------------------------------------------------
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_live_seqs(self) -> int:
+        return len(self._row)
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return seq_id in self._row
+
+    def sparse_index(self, layer: int) -> int:
+        """The ordinal of sparse layer ``layer`` in ``index_k_cache``."""
+        try:
+            return self._sparse_ordinal[layer]
+        except KeyError:
+            raise ValueError(
+                f"layer {layer} is not a sparse layer (sparse_layers={self.config.sparse_layers}); it has no index-K cache"
+            ) from None
+
+    def _check_seq(self, seq_id: Hashable) -> list[int]:
+        pages = self._pages.get(seq_id)
+        if pages is None:
+            raise ValueError(f"unknown sequence {seq_id!r}; call add_sequence({seq_id!r}) first")
+        return pages
+
+    def add_sequence(self, seq_id: Hashable) -> int:
+        """Give ``seq_id`` a block-table row (all ``-1``) and return it.
+
+        Raises:
+            ValueError: ``seq_id`` is already live.
+            RuntimeError: every assignable row is taken (free finished sequences first, or
+                raise ``max_seqs``/``seq_slot_headroom``).
+        """
+        if seq_id in self._row:
+            raise ValueError(f"sequence {seq_id!r} is already in the cache (block-table row {self._row[seq_id]})")
+        if not self._free_rows:
+            raise RuntimeError(
+                f"too many sequences: all {self.config.max_live_seqs} block-table rows are in use "
+                f"(max_seqs={self.config.max_seqs} + seq_slot_headroom={self.config.seq_slot_headroom}); "
+                f"free finished sequences or raise those limits"
+            )
+        row = self._free_rows.pop()
+        self._row[seq_id] = row
+        self._pages[seq_id] = []
+        return row
+
+    def seq_slot(self, seq_id: Hashable) -> int:
+        """Block-table row of a live sequence."""
+        self._check_seq(seq_id)
+        return self._row[seq_id]
+
+    def num_reserved_tokens(self, seq_id: Hashable) -> int:
+        """Positions ``< this`` have pages."""
+        return len(self._check_seq(seq_id)) * self.page_size
+
+    def pages(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's page ids (O(pages); for tests and debugging)."""
+        return list(self._check_seq(seq_id))
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Make sure positions ``< num_tokens`` of ``seq_id`` have pages.
+
+        Only the new page ids are written to the device block table (O(new pages)).
+
+        Raises:
+            ValueError: unknown sequence, or ``num_tokens`` above ``max_pages_per_seq * page_size``.
+            RuntimeError: not enough free pages; nothing is changed.
+        """
+        pages = self._check_seq(seq_id)
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"reserve needs num_tokens >= 0, got {num_tokens!r}")
+        if num_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence {seq_id!r} needs {num_tokens} positions but a sequence holds at most "
+                f"max_pages_per_seq * page_size = {self.config.max_pages_per_seq} * {self.page_size} = "
+                f"{self.config.max_seq_len}; raise max_pages_per_seq"
+            )
+        need = -(-num_tokens // self.page_size) - len(pages)
+        if need <= 0:
+            return
+        if need > len(self._free_pages):
+            raise RuntimeError(
+                f"out of KV pages: sequence {seq_id!r} needs {need} more page(s) for {num_tokens} positions "
+                f"but only {len(self._free_pages)} of {self.num_pages} are free; free finished sequences "
+                f"or raise num_pages"
+            )
+        new = [self._free_pages.pop() for _ in range(need)]
+        old = len(pages)
+        pages.extend(new)
+        row = self._row[seq_id]
+        self.block_tables[row, old : old + need] = torch.tensor(new, dtype=torch.int32).to(self.block_tables.device)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return the sequence's pages and row; its block-table row goes back to ``-1``."""
+        pages = self._check_seq(seq_id)
+        row = self._row.pop(seq_id)
+        del self._pages[seq_id]
+        if pages:
+            self.block_tables[row, : len(pages)] = -1
+        # Reversed so the sequence's first page is the next one handed out.
+        self._free_pages.extend(reversed(pages))
+        self._free_rows.append(row)
+
+    def slots(self, seq_id: Hashable, start: int, n: int) -> list[int]:
+        """Flat slot ids (``page * page_size + offset``) of positions ``start .. start+n-1``.
+
+        O(n): only the pages those positions span are read.
+
+        Raises:
+            ValueError: unknown sequence, or positions beyond the reserved pages.
+        """
+        pages = self._check_seq(seq_id)
+        if start < 0 or n < 0:
+            raise ValueError(f"slots needs start >= 0 and n >= 0, got start={start}, n={n}")
+        end = start + n
+        if end > len(pages) * self.page_size:
+            raise ValueError(
+                f"positions {start}..{end - 1} of sequence {seq_id!r} are beyond its reserved "
+                f"{len(pages) * self.page_size} positions; call reserve({seq_id!r}, {end}) first"
+            )
+        ps = self.page_size
+        out: list[int] = []
+        pos = start
+        while pos < end:
+            i, off = divmod(pos, ps)
+            stop = min(end, (i + 1) * ps)
+            base = pages[i] * ps
+            out.extend(range(base + off, base + off + (stop - pos)))
+            pos = stop
+        return out
+
+    # ---- device writes (capturable) -----------------------------------------------------
+
+    def write(
+        self,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_k: torch.Tensor | None = None,
+    ) -> None:
+        """Scatter one step's K/V (and index-K) into the caches.
+
+        Capturable: fixed shapes, no host sync, no boolean indexing. Slot ``-1`` writes only
+        the private sink page.
+
+        Args:
+            layer: decoder layer.
+            slot_mapping: ``int64 [T]`` flat slots, ``-1`` for padded rows.
+            k, v: ``[T, num_kv_heads, head_dim]``.
+            index_k: ``[T, index_dim]`` for sparse layers, or ``None`` to skip index-K.
+        """
+        c = self.config
+        if not 0 <= layer < c.num_layers:
+            raise ValueError(f"layer {layer} is out of range [0, {c.num_layers})")
+        t = slot_mapping.shape[0]
+        if slot_mapping.dim() != 1 or k.shape != (t, c.num_kv_heads, c.head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"write expects slot_mapping [T], k/v [T, {c.num_kv_heads}, {c.head_dim}]; got "
+                f"{tuple(slot_mapping.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        idx = torch.where(slot_mapping >= 0, slot_mapping, self._sink_slot).to(torch.int64)
+        self._k_store[layer].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, idx, k.to(c.dtype))
+        self._v_store[layer].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, idx, v.to(c.dtype))
+        if index_k is not None:
+            s = self.sparse_index(layer)
+            if index_k.shape != (t, c.index_dim):
+                raise ValueError(f"write expects index_k [T, {c.index_dim}], got {tuple(index_k.shape)}")
+            self._ik_store[s].view(-1, c.index_dim).index_copy_(0, idx, index_k.to(c.index_dtype))
