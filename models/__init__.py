@@ -1,0 +1,1 @@
+"""Models built on graphcap: each one a subpackage (``models.minimax_m3``)."""

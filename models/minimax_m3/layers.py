@@ -1,0 +1,232 @@
+"""MiniMax-M3 building blocks: GemmaRMSNorm, partial NeoX RoPE, SwiGLU-OAI, dense MLP, MoE.
+
+Everything here is request-independent and capturable: fixed shapes for a given token
+count, no host syncs, no boolean-mask indexing, no data-dependent output shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class GemmaRMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * (1 + w)`` over the last dim, in fp32, cast back.
+
+    The stored weight is the checkpoint's offset (near zero), not ``1 + w``.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[..., dim]`` -> same shape and dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """``theta^(-2i/rotary_dim)`` for ``i < rotary_dim/2``: fp64 pow, then the fp32 table the
+    model was trained with. fp32 ``[rotary_dim // 2]``."""
+    exponent = torch.arange(rotary_dim // 2, dtype=torch.float64) * (2.0 / rotary_dim)
+    return (theta ** -exponent).float().to(device)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of ``pos * inv_freq``, computed per step from the positions: a table over 1M
+    positions would cost memory for nothing, and one outer product per forward is negligible.
+
+    Args:
+        positions: int ``[T]``; inv_freq: fp32 ``[rotary_dim // 2]`` (``rope_inv_freq``).
+    Returns:
+        cos, sin: fp32 ``[T, rotary_dim // 2]``.
+    """
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate dims ``[0, rotary_dim)`` of every head in NeoX split-half pairs ``(i, i + rd/2)``.
+
+    Args:
+        x: ``[T, heads, head_dim]`` (``head_dim >= rotary_dim``).
+        cos, sin: fp32 ``[T, rotary_dim // 2]``.
+    Returns:
+        ``[T, heads, head_dim]`` in ``x.dtype``; dims ``>= rotary_dim`` pass through.
+    """
+    half = cos.shape[-1]
+    rd = 2 * half
+    xf = x[..., :rd].float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    if rd == x.shape[-1]:
+        return rot
+    return torch.cat((rot, x[..., rd:]), dim=-1)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1)``.
+
+    Computed in fp32 and cast back to ``gate.dtype``. Shapes ``[..., I]`` -> ``[..., I]``.
+    """
+    g = gate.float().clamp(max=limit)
+    u = up.float().clamp(-limit, limit)
+    return (g * torch.sigmoid(alpha * g) * (u + 1.0)).to(gate.dtype)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU-OAI MLP with fused ``gate_up_proj [2I, H]`` (gate rows first) and ``down_proj``.
+
+    Used for the dense layers' ``mlp`` and for ``block_sparse_moe.shared_experts``.
+    """
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.inter, self.alpha, self.limit = inter, alpha, limit
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[T, H]`` -> ``[T, H]``."""
+        gu = self.gate_up_proj(x)
+        return self.down_proj(swiglu_oai(gu[:, : self.inter], gu[:, self.inter :], self.alpha, self.limit))
+
+
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    scale: float,
+    num_real_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing with a selection-only correction bias.
+
+    ``s = sigmoid(fp32(x) W^T)``; ``ids = topk(s + bias)``; ``w = s[ids] / sum * scale``.
+    Rows ``>= num_real_tokens`` (padding) get id ``-1`` and weight 0.
+
+    Args:
+        x: ``[T, H]``; gate_weight: fp32 ``[E, H]``; bias: fp32 ``[E]``.
+        num_real_tokens: device int scalar, or None (all rows real).
+    Returns:
+        ids int64 ``[T, top_k]`` (global expert ids), weights fp32 ``[T, top_k]``.
+    """
+    scores = torch.sigmoid(F.linear(x.float(), gate_weight.float()))
+    ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    w = w / w.sum(-1, keepdim=True) * scale
+    if num_real_tokens is not None:
+        real = (torch.arange(x.shape[0], device=x.device) < num_real_tokens)[:, None]
+        ids = torch.where(real, ids, -1)
+        w = torch.where(real, w, 0.0)
+    return ids, w
+
+
+class StackedExperts(nn.Module):
+    """Routed experts held by this rank: ``w13 [E, 2I, H]`` (gate rows, then up), ``w2 [E, H, I]``."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device))
+
+
+MOE_IMPLS = ("grouped", "loop")
+
+
+class BlockSparseMoE(nn.Module):
+    """Router + routed experts + one (TP-sliced) shared expert, added unscaled.
+
+    Two capturable formulations of the routed part, both fixed-shape for a token count:
+
+    - ``grouped`` (default where ``torch._grouped_mm`` supports the device/dtype): sort the
+      ``T * top_k`` (token, expert) pairs by local expert id (pairs for remote experts or
+      padded rows get a sentinel id past the last expert and sort last), gather their rows,
+      run two grouped GEMMs whose group ends come from ``searchsorted`` on the device, and
+      ``index_add_`` the weighted rows back. Work and weight reads scale with the pairs
+      actually routed here, as in a real fused-MoE kernel: at one decode token only 4
+      experts' weights are read, not 128. Rows past the last group are never computed; they
+      are masked with ``where`` (not multiplied by 0, since they hold uninitialised memory).
+    - ``loop``: every local expert runs on all T rows and is combined with a dense
+      ``[T, E]`` weight matrix (0 where not routed). Reads every expert's weights and does
+      ``E / top_k`` times the work, so it is only the fallback (fp32 on CUDA) and a
+      cross-check in tests.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, num_local: int, top_k: int, inter: int, shared_inter: int,
+                 scale: float, alpha: float, limit: float, dtype: torch.dtype,
+                 device: torch.device | str | None = None, expert_offset: int = 0, impl: str = "auto") -> None:
+        super().__init__()
+        self.top_k, self.scale, self.alpha, self.limit = top_k, scale, alpha, limit
+        self.expert_offset = expert_offset
+        # Router weight and bias are fp32 in the checkpoint and stay fp32: bf16 scores would
+        # flip near-tied selections.
+        self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=torch.float32, device=device)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device))
+        self.experts = StackedExperts(num_local, hidden, inter, dtype, device)
+        self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype, device)
+        self.impl = _pick_impl(impl, torch.device(device or "cpu"), dtype)
+
+    def forward(self, x: torch.Tensor, num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x: ``[T, H]`` -> ``[T, H]``; padded rows (``>= num_real_tokens``) skip routed experts."""
+        ids, w = route(x, self.gate.weight, self.e_score_correction_bias, self.top_k, self.scale, num_real_tokens)
+        routed = self.routed_grouped(x, ids, w) if self.impl == "grouped" else self.routed_loop(x, ids, w)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
+
+    def _local_keys(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global ids ``[T, k]`` -> local expert ids, or ``E_local`` for remote/padded pairs."""
+        n = self.experts.num_experts
+        local = ids - self.expert_offset
+        return torch.where((ids >= 0) & (local >= 0) & (local < n), local, n)
+
+    def routed_grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Sorted pairs + grouped GEMMs. Returns fp32 ``[T, H]``."""
+        ex = self.experts
+        n, k = ex.num_experts, ids.shape[1]
+        keys = self._local_keys(ids).flatten()  # [P]
+        order = torch.argsort(keys, stable=True)
+        sorted_keys = keys.index_select(0, order)
+        token = torch.div(order, k, rounding_mode="floor")
+        ends = torch.searchsorted(sorted_keys, torch.arange(n, device=x.device), right=True).to(torch.int32)
+        xs = x.index_select(0, token)
+        h = torch._grouped_mm(xs, ex.w13.transpose(1, 2), offs=ends)
+        a = swiglu_oai(h[:, : ex.inter], h[:, ex.inter :], self.alpha, self.limit)
+        y = torch._grouped_mm(a, ex.w2.transpose(1, 2), offs=ends)
+        ws = w.flatten().index_select(0, order)
+        y = torch.where((sorted_keys < n)[:, None], y.float() * ws[:, None], 0.0)
+        return torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y)
+
+    def routed_loop(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every row, weighted by a dense combine matrix. fp32 ``[T, H]``."""
+        ex = self.experts
+        n = ex.num_experts
+        comb = torch.zeros(x.shape[0], n + 1, dtype=torch.float32, device=x.device)
+        comb.scatter_add_(1, self._local_keys(ids), w)  # column n collects remote/padded pairs
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in range(n):
+            h = F.linear(x, ex.w13[e])
+            y = F.linear(swiglu_oai(h[:, : ex.inter], h[:, ex.inter :], self.alpha, self.limit), ex.w2[e])
+            out += comb[:, e : e + 1] * y.float()
+        return out
+
+
+def _pick_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: grouped where ``torch._grouped_mm`` exists for the device and dtype (CPU any
+    float dtype; CUDA bf16 only), else loop."""
+    if impl not in ("auto",) + MOE_IMPLS:
+        raise ValueError(f"MoE impl {impl!r} is unknown; choose auto, grouped or loop")
+    if impl != "auto":
+        return impl
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop"
+    if device.type == "cuda":
+        return "grouped" if dtype == torch.bfloat16 else "loop"
+    return "grouped"

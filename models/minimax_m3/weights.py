@@ -1,0 +1,250 @@
+"""Streaming, strict safetensors loader with the real MiniMax-M3 key names.
+
+A checkpoint folder holds ``config.json`` and either ``model.safetensors.index.json`` (sharded)
+or one ``model.safetensors``. Keys carry the prefix ``language_model.`` when ``config.json``
+is the VL wrapper (it has ``text_config``), and no prefix for a plain text config.
+
+Loading is two passes over the shard headers and data:
+1. headers only (names, shapes, dtypes): every missing, unexpected, mis-shaped or mis-typed
+   key is found before a parameter is touched, so a failed load leaves the model unchanged;
+2. one tensor at a time, copied (and cast) into its slice of the fused parameters in place,
+   so parameter addresses never move (captured graphs stay valid).
+
+Ignored on purpose: vision tensors (``vision_tower.*``, ``multi_modal_projector.*``,
+``patch_merge_mlp.*``) and MTP draft layers (``model.mtp.*``), which are not part of the
+text backbone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from .config import MiniMaxM3Config
+from .model import MiniMaxM3ForCausalLM
+
+VL_PREFIX = "language_model."
+IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
+MTP_PREFIX = "model.mtp."
+_ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes.
+
+    Attributes:
+        param: model parameter name.
+        index: indexing into that parameter (``()`` = whole; rows of a fused projection; an
+            expert of a stacked tensor).
+        shape: the checkpoint tensor's expected shape.
+        fp32: stored in fp32 whatever the checkpoint dtype (router gate and bias).
+    """
+
+    param: str
+    index: tuple
+    shape: tuple[int, ...]
+    fp32: bool = False
+
+
+def checkpoint_layout(c: MiniMaxM3Config) -> dict[str, Target]:
+    """Every text tensor of a checkpoint for ``c`` (keys without ``language_model.``)."""
+    if c.tp_size != 1 or c.ep_size != 1:
+        raise ValueError("checkpoints hold whole models; a sharded (tp/ep > 1) config has no checkpoint layout")
+    H = c.hidden_size
+    out: dict[str, Target] = {
+        "model.embed_tokens.weight": Target("model.embed_tokens.weight", (), (c.vocab_size, H)),
+        "model.norm.weight": Target("model.norm.weight", (), (H,)),
+        "lm_head.weight": Target("lm_head.weight", (), (c.vocab_size, H)),
+    }
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}{n}.weight"] = Target(f"{p}{n}.weight", (), (H,))
+        a = p + "self_attn."
+        projs = [("q_proj", c.q_size), ("k_proj", c.kv_size), ("v_proj", c.kv_size)]
+        norms = [("q_norm", c.head_dim), ("k_norm", c.head_dim)]
+        if c.is_sparse(i):
+            projs += [("index_q_proj", c.index_q_size), ("index_k_proj", c.sparse_index_dim)]
+            norms += [("index_q_norm", c.sparse_index_dim), ("index_k_norm", c.sparse_index_dim)]
+        row = 0
+        for name, width in projs:
+            out[f"{a}{name}.weight"] = Target(f"{a}qkv_proj.weight", (slice(row, row + width),), (width, H))
+            row += width
+        for name, width in norms:
+            out[f"{a}{name}.weight"] = Target(f"{a}{name}.weight", (), (width,))
+        out[f"{a}o_proj.weight"] = Target(f"{a}o_proj.weight", (), (H, c.q_size))
+        if c.is_moe(i):
+            m = p + "block_sparse_moe."
+            E, inter = c.num_local_experts, c.intermediate_size
+            out[f"{m}gate.weight"] = Target(f"{m}gate.weight", (), (E, H), fp32=True)
+            out[f"{m}e_score_correction_bias"] = Target(f"{m}e_score_correction_bias", (), (E,), fp32=True)
+            for e in range(E):
+                x = f"{m}experts.{e}."
+                out[f"{x}w1.weight"] = Target(f"{m}experts.w13", (e, slice(0, inter)), (inter, H))
+                out[f"{x}w3.weight"] = Target(f"{m}experts.w13", (e, slice(inter, 2 * inter)), (inter, H))
+                out[f"{x}w2.weight"] = Target(f"{m}experts.w2", (e,), (H, inter))
+            out.update(_mlp_layout(f"{m}shared_experts.", H, c.shared_width))
+        else:
+            out.update(_mlp_layout(f"{p}mlp.", H, c.dense_intermediate_size))
+    return out
+
+
+def _mlp_layout(prefix: str, hidden: int, inter: int) -> dict[str, Target]:
+    fused = f"{prefix}gate_up_proj.weight"
+    return {
+        f"{prefix}gate_proj.weight": Target(fused, (slice(0, inter),), (inter, hidden)),
+        f"{prefix}up_proj.weight": Target(fused, (slice(inter, 2 * inter),), (inter, hidden)),
+        f"{prefix}down_proj.weight": Target(f"{prefix}down_proj.weight", (), (hidden, inter)),
+    }
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did: tensors copied, keys skipped on purpose, bytes read."""
+
+    loaded: int
+    ignored_vision: int
+    ignored_mtp: int
+    ignored_layers: int
+    bytes_read: int
+
+
+def checkpoint_prefix(folder: str | os.PathLike) -> str:
+    """``language_model.`` for a VL ``config.json`` (has ``text_config``), else ``""``."""
+    path = os.path.join(os.fspath(folder), "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder!r} has no config.json; a checkpoint folder needs one")
+    with open(path) as f:
+        return VL_PREFIX if "text_config" in json.load(f) else ""
+
+
+def shard_files(folder: str | os.PathLike) -> list[str]:
+    """Shard paths in index order (or the single ``model.safetensors``)."""
+    folder = os.fspath(folder)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        names = list(dict.fromkeys(weight_map.values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder!r} has neither model.safetensors.index.json nor model.safetensors")
+    paths = [os.path.join(folder, n) for n in names]
+    for p in paths:
+        if not os.path.isfile(p):
+            raise ValueError(f"shard {p!r} listed in the index is missing")
+    return paths
+
+
+def _headers(paths: list[str]) -> Iterator[tuple[str, str, list[int], str]]:
+    for path in paths:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                s = f.get_slice(key)
+                yield path, key, list(s.get_shape()), s.get_dtype()
+
+
+def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *, truncate_layers: bool = False) -> LoadReport:
+    """Load a checkpoint into ``model`` in place (strict; see the module docstring).
+
+    Args:
+        model: built with the checkpoint's config (its parameter dtype may differ: tensors
+            are cast on copy).
+        folder: checkpoint folder.
+        truncate_layers: allow a model with fewer layers than the checkpoint (e.g. a real-width
+            slice of the full model); layers beyond the model's are skipped.
+
+    Raises:
+        ValueError: config mismatch, or missing / unexpected / mis-shaped / mis-typed keys
+            (each named, with expected vs found); nothing is copied in that case.
+    """
+    c = model.config
+    ck = MiniMaxM3Config.from_hf(folder)
+    _check_config(c, ck, truncate_layers)
+    prefix = checkpoint_prefix(folder)
+    layout = checkpoint_layout(c)
+    want_dtype = _ST_DTYPE[ck.dtype]
+    paths = shard_files(folder)
+
+    plan: dict[str, list[tuple[str, Target]]] = {p: [] for p in paths}
+    seen: dict[str, str] = {}
+    errors: list[str] = []
+    ign_v = ign_m = ign_l = 0
+    for path, full_key, shape, dtype in _headers(paths):
+        if full_key in seen:
+            errors.append(f"{full_key!r} appears in both {seen[full_key]} and {path}")
+            continue
+        seen[full_key] = path
+        if full_key.startswith(IGNORED_PREFIXES):
+            ign_v += 1
+            continue
+        if not full_key.startswith(prefix):
+            errors.append(f"unexpected key {full_key!r} (text keys need the prefix {prefix!r} for this config.json)")
+            continue
+        key = full_key[len(prefix):]
+        if key.startswith(MTP_PREFIX):
+            ign_m += 1
+            continue
+        t = layout.get(key)
+        if t is None:
+            if truncate_layers and _layer_of(key) is not None and _layer_of(key) >= c.num_hidden_layers:  # type: ignore[operator]
+                ign_l += 1
+                continue
+            errors.append(f"unexpected key {full_key!r}")
+            continue
+        if tuple(shape) != t.shape:
+            errors.append(f"{full_key!r} has shape {tuple(shape)}, expected {t.shape}")
+        exp = "F32" if t.fp32 else want_dtype
+        if dtype != exp:
+            errors.append(f"{full_key!r} has dtype {dtype}, expected {exp}")
+        plan[path].append((full_key, t))
+    found = {k[len(prefix):] for k in seen if k.startswith(prefix)}
+    missing = [prefix + k for k in layout if k not in found]
+    if missing:
+        errors.append(f"{len(missing)} missing key(s): " + ", ".join(repr(k) for k in missing[:8])
+                      + (" ..." if len(missing) > 8 else ""))
+    if errors:
+        raise ValueError(f"checkpoint {os.fspath(folder)!r} does not fit the model:\n  " + "\n  ".join(errors))
+
+    params = dict(model.named_parameters())
+    nbytes = loaded = 0
+    with torch.no_grad():
+        for path, items in plan.items():
+            if not items:
+                continue
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for full_key, t in items:
+                    src = f.get_tensor(full_key)
+                    params[t.param][t.index].copy_(src)
+                    nbytes += src.numel() * src.element_size()
+                    loaded += 1
+    return LoadReport(loaded, ign_v, ign_m, ign_l, nbytes)
+
+
+def _layer_of(key: str) -> int | None:
+    parts = key.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _check_config(model_cfg: MiniMaxM3Config, ck: MiniMaxM3Config, truncate: bool) -> None:
+    n = model_cfg.num_hidden_layers
+    if truncate and n < ck.num_hidden_layers:
+        ck = ck.first_layers(n)
+    diff = [f.name for f in fields(ck) if f.name != "dtype" and getattr(ck, f.name) != getattr(model_cfg, f.name)]
+    if diff:
+        raise ValueError(
+            "the checkpoint's config.json differs from the model's config in: "
+            + ", ".join(f"{d} (checkpoint {getattr(ck, d)!r}, model {getattr(model_cfg, d)!r})" for d in diff)
+        )

@@ -1,0 +1,286 @@
+"""The tiny MiniMax-M3 model end to end on CPU: against the brute-force reference, and
+chunked prefill / decode / mixed batches / padding against each other."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attention.backend import make_backend
+from attention.kv_cache import PagedKVCache
+from graphcap import CaptureConfig, CaptureManager, InputSpec, StaticInputs
+from graphcap.splice import call_splice, step_context
+from m3_reference import reference_logits
+from models.minimax_m3.checkpoint_writer import write_synthetic_checkpoint
+from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.model import MiniMaxM3ForCausalLM
+from models.minimax_m3.runner import TokenChunk, build_from_checkpoint, build_from_preset
+
+TINY = MiniMaxM3Config.tiny()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("m3_model")
+    write_synthetic_checkpoint(TINY, folder, seed=7, shard_size_bytes=400_000)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def ref_weights(ckpt):
+    w: dict[str, torch.Tensor] = {}
+    for f in glob.glob(os.path.join(ckpt, "*.safetensors")):
+        w.update(load_file(f))
+    return {k[len("language_model."):]: v for k, v in w.items() if k.startswith("language_model.")}
+
+
+def runner(ckpt, dtype=torch.float32, **kw):
+    kw.setdefault("max_seq_len", 64)
+    kw.setdefault("max_tokens", 96)
+    kw.setdefault("max_seqs", 4)
+    return build_from_checkpoint(ckpt, dtype=dtype, **kw)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def full_logits(ckpt, ids: list[int]) -> torch.Tensor:
+    r = runner(ckpt)
+    r.add_request("s")
+    return r.step([TokenChunk("s", 0, ids)], all_logits=True).logits
+
+
+@pytest.mark.parametrize("length", [5, 12, 30, 41])
+def test_matches_reference(ckpt, ref_weights, length):
+    ids = prompt(length, seed=length)
+    got = full_logits(ckpt, ids)
+    ref = reference_logits(TINY, ref_weights, ids)
+    dense = reference_logits(TINY, ref_weights, ids, sparse=False)
+    limit = TINY.sparse_topk_blocks * TINY.sparse_block_size
+    if length <= limit:
+        torch.testing.assert_close(ref, dense, atol=1e-12, rtol=0)  # sparse selects every block
+    else:
+        # the test is only meaningful if block selection dropped something
+        assert (ref - dense)[limit:].abs().max() > 0.05
+        torch.testing.assert_close(ref[:limit], dense[:limit], atol=1e-12, rtol=0)
+    assert got.shape == (length, TINY.vocab_size)
+    torch.testing.assert_close(got.double(), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_chunked_prefill_equals_one_shot(ckpt):
+    ids = prompt(35, seed=1)
+    full = full_logits(ckpt, ids)
+    r = runner(ckpt)
+    r.add_request("s")
+    rows, start = [], 0
+    for n in (7, 12, 3, 13):  # boundaries inside and at page edges (page = 4)
+        rows.append(r.step([TokenChunk("s", start, ids[start : start + n])], all_logits=True).logits)
+        start += n
+    torch.testing.assert_close(torch.cat(rows), full, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_then_decode_equals_full_forward(ckpt):
+    ids = prompt(33, seed=2)
+    full = full_logits(ckpt, ids)
+    r = runner(ckpt)
+    r.add_request("s")
+    out = r.step([TokenChunk("s", 0, ids[:14])])
+    torch.testing.assert_close(out.logits[0], full[13], atol=1e-5, rtol=1e-5)
+    for p in range(14, 33):
+        out = r.step([TokenChunk("s", p, [ids[p]])])
+        torch.testing.assert_close(out.logits[0], full[p], atol=1e-5, rtol=1e-5)
+        assert out.next_tokens == [int(full[p].argmax())]
+
+
+def test_mixed_batch_equals_one_by_one(ckpt):
+    a, b, c = prompt(21, 3), prompt(10, 4), prompt(17, 5)
+    # history: a has 20 tokens cached, b has 9, c is new
+    batch = runner(ckpt)
+    for sid, toks in (("a", a[:20]), ("b", b[:9])):
+        batch.add_request(sid)
+        batch.step([TokenChunk(sid, 0, toks)])
+    batch.add_request("c")
+    chunks = [TokenChunk("a", 20, a[20:21]), TokenChunk("c", 0, c[:13]), TokenChunk("b", 9, b[9:10])]
+    got = batch.step(chunks, all_logits=True).logits
+    want = []
+    for sid, toks, ch in (("a", a[:20], chunks[0]), ("c", [], chunks[1]), ("b", b[:9], chunks[2])):
+        solo = runner(ckpt)
+        solo.add_request(sid)
+        if toks:
+            solo.step([TokenChunk(sid, 0, toks)])
+        want.append(solo.step([ch], all_logits=True).logits)
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+    # and a later decode step of c sees the chunk the mixed step cached
+    nxt = batch.step([TokenChunk("c", 13, c[13:14])]).logits[0]
+    torch.testing.assert_close(nxt, full_logits(ckpt, c[:14])[13], atol=1e-5, rtol=1e-5)
+
+
+def _caches(r) -> list[torch.Tensor]:
+    return [r.cache.k_cache.clone(), r.cache.v_cache.clone(), r.cache.index_k_cache.clone()]
+
+
+def test_padded_rows_write_nothing_and_change_nothing(ckpt):
+    ids = prompt(11, 6)
+    plain, padded = runner(ckpt), runner(ckpt)
+    for r in (plain, padded):
+        r.cache.k_cache.fill_(3.0)
+        r.cache.v_cache.fill_(3.0)
+        r.cache.index_k_cache.fill_(3.0)
+        r.add_request("s")
+        r.step([TokenChunk("s", 0, ids[:6])])
+    chunk = [TokenChunk("s", 6, ids[6:])]
+    s_plain = plain.make_step(chunk)
+    plain.plan(s_plain, s_plain.num_tokens)
+    h_plain = plain.forward(dict(s_plain.inputs))
+    s_pad = padded.make_step(chunk)
+    t, extra = s_pad.num_tokens, 6
+    padded.plan(s_pad, t + extra)
+    meta = s_pad.metadata.pad_to(t + extra)
+    inputs = {
+        # pad ids deliberately not 0: whatever sits in padded rows must stay out of real rows
+        "input_ids": torch.cat([s_pad.inputs["input_ids"], torch.tensor(prompt(extra, 99))]),
+        "positions": meta.positions,
+        "slot_mapping": meta.slot_mapping,
+        "num_real_tokens": torch.tensor([t]),
+    }
+    assert (inputs["slot_mapping"][t:] == -1).all() and (inputs["positions"][t:] == 0).all()
+    h_pad = padded.forward(inputs)
+    assert h_pad.shape[0] == t + extra
+    torch.testing.assert_close(h_pad[:t], h_plain, atol=1e-5, rtol=1e-5)
+    for c_plain, c_pad in zip(_caches(plain), _caches(padded)):
+        assert torch.equal(c_plain == 3.0, c_pad == 3.0)  # the same slots were written
+        torch.testing.assert_close(c_pad, c_plain, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_goes_through_the_splice_points(ckpt):
+    r = runner(ckpt)
+    r.add_request("s")
+    step = r.make_step([TokenChunk("s", 0, prompt(9, 8))])
+    r.plan(step, step.num_tokens)
+    seen: list[str] = []
+
+    class Driver:
+        def on_splice(self, op, fn, args, kwargs):
+            seen.append(op.name)
+            return call_splice(op, fn, args, kwargs)
+
+    with step_context(step, Driver()):
+        h = r.forward(dict(step.inputs))
+    assert seen == ["attention.dense", "attention.sparse", "attention.sparse", "attention.sparse"]
+    assert torch.isfinite(h).all()
+
+
+def test_bf16_smoke(ckpt):
+    ids = prompt(30, 9)
+    full = full_logits(ckpt, ids)
+    r = runner(ckpt, dtype=torch.bfloat16)
+    r.add_request("s")
+    out = r.step([TokenChunk("s", 0, ids[:28])], all_logits=True)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
+    dec = r.step([TokenChunk("s", 28, ids[28:30])], all_logits=True).logits
+    got = torch.cat([out.logits, dec]).float()
+    cos = torch.nn.functional.cosine_similarity(got, full, dim=-1)
+    # bf16 may flip a near-tied expert or block choice on a row; the rest must track fp32
+    assert (cos > 0.99).float().mean() > 0.9 and cos.min() > 0.5, cos
+
+
+def test_attach_checks_shapes(ckpt):
+    r = runner(ckpt)
+    m = MiniMaxM3ForCausalLM(TINY)
+    with pytest.raises(RuntimeError, match="attach"):
+        m(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.full((1,), -1))
+    other = dataclasses.replace(TINY, num_key_value_heads=1, sparse_num_index_heads=1)
+    cache = PagedKVCache(other.kv_cache_config(num_pages=4, max_seqs=1, max_pages_per_seq=4))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        m.attach(cache, make_backend("torch", cache, num_qo_heads=4, topk=3))
+    with pytest.raises(ValueError, match="topk"):
+        m.attach(r.cache, make_backend("torch", r.cache, num_qo_heads=4, topk=2))
+    with pytest.raises(ValueError, match="different cache"):
+        m.attach(r.cache, make_backend("torch", PagedKVCache(r.cache.config), num_qo_heads=4, topk=3))
+    m.attach(r.cache, r.backend)
+
+
+def test_out_of_pages_reserves_nothing(ckpt):
+    r = runner(ckpt, num_pages=6, max_seq_len=32)
+    r.add_request("a")
+    r.add_request("b")
+    r.step([TokenChunk("a", 0, prompt(10, 10))])  # 3 pages
+    free = r.cache.num_free_pages
+    with pytest.raises(RuntimeError, match="pages"):
+        # a stays inside its 3rd page; b needs 4 pages, 3 are free
+        r.step([TokenChunk("a", 10, prompt(2, 11)), TokenChunk("b", 0, prompt(13, 12))])
+    assert r.cache.num_free_pages == free and r.cache.num_reserved_tokens("b") == 0
+    with pytest.raises(ValueError, match="tokens"):
+        r.step([TokenChunk("b", 0, prompt(97, 13))])  # above max_tokens=96
+    assert r.cache.num_free_pages == free and r.cache.num_reserved_tokens("b") == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu(ckpt, dtype):
+    """Same steps on CUDA (fp32: loop MoE; bf16: grouped MoE) track the CPU fp32 model."""
+    ids = prompt(30, 13)
+    full = full_logits(ckpt, ids)
+    r = runner(ckpt, dtype=dtype, device="cuda")
+    r.add_request("s")
+    got = torch.cat([r.step([TokenChunk("s", 0, ids[:26])], all_logits=True).logits,
+                     *(r.step([TokenChunk("s", p, [ids[p]])]).logits for p in range(26, 30))]).float().cpu()
+    cos = torch.nn.functional.cosine_similarity(got, full, dim=-1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, full, atol=1e-3, rtol=1e-3)
+    else:
+        assert (cos > 0.99).float().mean() > 0.9 and cos.min() > 0.5, cos
+
+
+def test_build_from_preset_and_truncated_checkpoint(ckpt):
+    ids = prompt(9, 14)
+
+    def last_logits(r):
+        r.add_request("s")
+        return r.step([TokenChunk("s", 0, ids)]).logits
+
+    a = last_logits(build_from_preset("tiny", seed=1, max_seq_len=32))
+    b = last_logits(build_from_preset("tiny", seed=1, max_seq_len=32))
+    c = last_logits(build_from_preset("tiny", seed=2, max_seq_len=32))
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+    short = runner(ckpt, num_layers=2)
+    assert short.model.config.num_hidden_layers == 2 and short.cache.config.sparse_layers == (1,)
+    assert not torch.allclose(last_logits(short), full_logits(ckpt, ids)[-1:])
+
+
+def test_runs_under_capture_manager_debug_eager(ckpt):
+    """The runner's hooks plug into CaptureManager: padded to buckets through the splice path,
+    the logits equal plain unpadded steps."""
+    r, ref = runner(ckpt), runner(ckpt)
+    specs = [InputSpec("input_ids", torch.int64, 0), InputSpec("positions", torch.int64, 0),
+             InputSpec("slot_mapping", torch.int64, -1)]
+    cfg = CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, buckets=(2, 4, 16, 32))
+    mgr = CaptureManager(r.forward, StaticInputs(specs, 32, "cpu"), cfg, prepare=r.plan, dummy_step=r.dummy_step)
+    dummy = r.dummy_step(3, True)
+    assert dummy.num_tokens == 3 and dummy.uniform_decode
+    with pytest.raises(ValueError, match="max_seqs"):
+        r.dummy_step(16, True)
+    r.release_dummies()
+    assert r.cache.num_live_seqs == 0
+    a, b = prompt(19, 15), prompt(6, 16)
+    steps = [[TokenChunk("a", 0, a[:13])], [TokenChunk("a", 13, a[13:14])],
+             [TokenChunk("b", 0, b[:5]), TokenChunk("a", 14, a[14:15])],
+             [TokenChunk("a", 15, a[15:16]), TokenChunk("b", 5, b[5:6])]]
+    for x in (r, ref):
+        x.add_request("a")
+        x.add_request("b")
+    with torch.inference_mode():
+        for chunks in steps:
+            step = r.make_step(chunks)
+            got = r.sample(step, mgr.run(step))
+            want = ref.step(chunks)
+            assert got.next_tokens == want.next_tokens
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    assert mgr.stats.bucket(16, False).hits == 2 and mgr.stats.bucket(2, True).hits == 2  # padded, not bypassed
