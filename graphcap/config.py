@@ -17,6 +17,9 @@ class CaptureConfig:
             uses the default rule of ``graphcap.buckets.default_buckets``.
         full_graph_decode: capture uniform decode steps as one whole graph when every splice
             point they pass through declares itself graph-safe for decode.
+        full_graph_max_tokens: largest bucket captured as a whole decode graph (``None``: all
+            buckets). A model whose decode steps carry one token per request sets it to its
+            request capacity.
         validate: compare graph replay with eager per bucket after capture; failing buckets are
             dropped (run eagerly) and reported.
         debug_eager: run every step eagerly through the same segment/splice path (no graphs);
@@ -30,6 +33,7 @@ class CaptureConfig:
     max_tokens: int = 512
     buckets: tuple[int, ...] | None = None
     full_graph_decode: bool = True
+    full_graph_max_tokens: int | None = None
     validate: bool = False
     debug_eager: bool = False
     warmup_steps: int = 2
@@ -42,6 +46,12 @@ class CaptureConfig:
             raise ValueError(
                 f"CaptureConfig.warmup_steps must be >= 1 (Triton autotune and JIT must run before "
                 f"capture), got {self.warmup_steps!r}"
+            )
+        if self.full_graph_max_tokens is not None and (
+            not isinstance(self.full_graph_max_tokens, int) or self.full_graph_max_tokens < 1
+        ):
+            raise ValueError(
+                f"CaptureConfig.full_graph_max_tokens must be a positive int or None, got {self.full_graph_max_tokens!r}"
             )
         if self.buckets is not None:
             if isinstance(self.buckets, list):
@@ -75,6 +85,8 @@ class CaptureConfig:
             current = getattr(base, f.name)
             if f.name == "buckets":
                 updates[f.name] = tuple(int(x) for x in raw.split(",") if x.strip()) or None
+            elif f.name == "full_graph_max_tokens":
+                updates[f.name] = int(raw) if raw.strip() else None
             elif isinstance(current, bool):
                 if raw.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
                     raise ValueError(f"GRAPHCAP_{f.name.upper()}={raw!r} is not a boolean")

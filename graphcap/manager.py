@@ -95,8 +95,12 @@ class CaptureManager:
         return self._graphs.get((bucket, full))
 
     def _keys(self) -> list[Key]:
-        kinds = (False, True) if self.config.full_graph_decode else (False,)
-        return sorted(((b, full) for b in self.buckets for full in kinds), key=lambda k: (-k[0], k[1]))
+        """(bucket, whole graph) pairs to capture, largest bucket first."""
+        keys = [(b, False) for b in self.buckets]
+        if self.config.full_graph_decode:
+            limit = self.config.full_graph_max_tokens or self.buckets[-1]
+            keys += [(b, True) for b in self.buckets if b <= limit]
+        return sorted(keys, key=lambda k: (-k[0], k[1]))
 
     # ---------------------------------------------------------------- capture
     def capture(self) -> None:

@@ -128,7 +128,9 @@ def stats_table(manager: Any) -> Table:
     return table
 
 
-def coverage_table(cov: Coverage) -> Table:
+def coverage_table(cov: Coverage, per_site: int = 8) -> Table:
+    """Coverage as a rich table; the ``per_site`` most frequent eager names of each splice
+    (``Coverage.as_dict`` keeps them all)."""
     table = Table(title=f"coverage per forward ({cov.unit})")
     table.add_column("where")
     table.add_column(cov.unit, justify="right")
@@ -136,8 +138,11 @@ def coverage_table(cov: Coverage) -> Table:
     table.add_row("inside graphs" if cov.unit == "kernels" else "producer segments", str(cov.in_graphs), f"{cov.in_graphs_us:.1f}")
     table.add_row("eager", str(cov.eager), f"{cov.eager_us:.1f}")
     for site, names in sorted(cov.eager_by_site.items()):
-        for name, count in names.most_common():
+        for name, count in names.most_common(per_site):
             table.add_row(f"  {site}: {name}", str(count), "")
+        if len(names) > per_site:
+            rest = sum(names.values()) - sum(c for _, c in names.most_common(per_site))
+            table.add_row(f"  {site}: {len(names) - per_site} more names", str(rest), "")
     table.caption = f"{100 * cov.fraction_in_graphs:.1f}% of {cov.unit} in graphs"
     return table
 

@@ -46,6 +46,7 @@ def test_explicit_buckets_are_used():
         (dict(max_tokens=8, buckets=(1, 16)), "buckets"),
         (dict(enabled="yes"), "enabled"),
         (dict(validate=1), "validate"),
+        (dict(full_graph_max_tokens=0), "full_graph_max_tokens"),
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):
