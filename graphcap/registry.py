@@ -17,8 +17,7 @@ from torch import nn
 Source = Union[torch.Tensor, nn.Module, Callable[[], Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
-def _address(t: torch.Tensor) -> tuple[int, int]:
-    return (t.data_ptr(), t.untyped_storage().nbytes())
+_address = torch.Tensor.data_ptr  # a reallocation moves it; an in-place shrink keeps memory valid
 
 
 class StorageRegistry:
@@ -26,8 +25,10 @@ class StorageRegistry:
 
     def __init__(self) -> None:
         self._sources: dict[str, tuple[Source, bool]] = {}
-        self._snapshot: dict[str, dict[str, tuple[int, int]]] = {}
-        self._fixed: list[tuple[str, str, torch.Tensor, tuple[int, int]]] = []
+        self._snapshot: dict[str, dict[str, int]] = {}
+        self._fixed: list[tuple[str, str, torch.Tensor]] = []
+        self._fixed_tensors: list[torch.Tensor] = []
+        self._fixed_addresses: list[int] = []
         self._dynamic: list[str] = []
         self._module_ids: dict[int, str] = {}
         self._reassigned: str | None = None
@@ -95,8 +96,9 @@ class StorageRegistry:
             else:
                 # Modules are enumerated once here; replay checks these tensors' addresses, and
                 # the registration hooks catch a parameter or buffer replaced by a new object.
-                for key, t in self.tensors(name).items():
-                    self._fixed.append((name, key, t, _address(t)))
+                self._fixed += [(name, key, t) for key, t in self.tensors(name).items()]
+        self._fixed_tensors = [t for _, _, t in self._fixed]
+        self._fixed_addresses = list(map(_address, self._fixed_tensors))
 
     def changed(self, deep: bool = False) -> str | None:
         """A description of the first registered tensor whose storage moved, or ``None``.
@@ -106,9 +108,11 @@ class StorageRegistry:
         """
         if self._reassigned is not None:
             return self._reassigned
-        for name, key, t, addr in self._fixed:
-            if _address(t) != addr:
-                return f"{name}{'.' + key if key else ''} was reallocated"
+        # One C-level pass over every weight and buffer: this runs before every replay.
+        if list(map(_address, self._fixed_tensors)) != self._fixed_addresses:
+            for (name, key, t), addr in zip(self._fixed, self._fixed_addresses):
+                if _address(t) != addr:
+                    return f"{name}{'.' + key if key else ''} was reallocated"
         names: Iterable[str] = self._sources if deep else self._dynamic
         for name in names:
             now = {k: _address(t) for k, t in self.tensors(name).items()}
