@@ -27,8 +27,8 @@ from .sparse import sparse_attention_ref
 # kind -> "module:Class". The registration point for other backends.
 BACKENDS: dict[str, str] = {
     "torch": "attention.backend:TorchAttention",
-    # "triton": "attention.triton_backend:TritonAttention",
-    # "flashinfer": "attention.flashinfer_backend:FlashInferAttention",
+    "triton": "attention.triton_backend:TritonAttention",
+    "flashinfer": "attention.flashinfer_backend:FlashinferAttention",
 }
 # What "auto" tries, in order, before falling back to "torch".
 AUTO_ORDER: tuple[str, ...] = ("flashinfer", "triton")

@@ -1,0 +1,238 @@
+"""Index scores + per-group top-k block selection in Triton (MSA "max" score).
+
+Maths (same as ``attention.indexer.index_topk_ref``): for kv group ``g`` and a query at
+position ``p``, ``score(b) = max_{j <= p, j in block b} <iq_g(p), ik(j)>`` (fp32, no scale)
+over the visible blocks ``0 .. p // B``; the local block ``p // B`` is forced in and placed
+last; the other ``topk - 1`` slots take the best remaining blocks; ``-1`` pads the row.
+Ties go to the lower block id (as in the reference's stable sort).
+
+Two kernels, used the same way by prefill and decode:
+1. ``_partial_kernel`` over (token tile, chunk of ``CHUNK`` key blocks): scores of the tile's
+   rows (token x index head) against the chunk's blocks, then each row's best ``KP`` blocks
+   of the chunk, as packed int64 keys (below), into a scratch ``[T, H, NC, KP]``.
+2. ``_merge_kernel`` over (token, head): the best ``topk - 1`` of the ``NC * KP`` candidates,
+   then the local block, then ``-1``.
+
+A key packs (score, block id) so one ``max`` finds the best score and, among equal scores,
+the lowest id: ``key = sortable_int32(score) << 32 | (2**31 - 1 - id)``. Taken and missing
+entries become ``-(2**63 - 1)``, below every key (``-2**63`` itself is not written as a
+literal: Triton would type the ``2**63`` as uint64).
+
+Decode (``index_topk_decode``) is graph-safe: the grid is (``T``, capacity chunks) where
+``T`` is the batch's row count and the capacity is the block table's width; positions,
+sequence rows, slots and block tables are read from device buffers (a query at position
+``p`` sees keys ``<= p``, so kv lengths are not needed), and chunks past a sequence's last
+block do no loads. Prefill (``index_topk_prefill``) sizes the chunk count from the host's
+``max_kv_len`` and tiles several tokens per program so index-K tiles are reused.
+Padded rows (slot ``-1``) get an all ``-1`` selection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention._triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
+from attention.metadata import AttentionMetadata
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _pack_keys(score, block_id):
+    """Order-preserving (score desc, id asc) int64 keys; see the module docstring."""
+    bits = score.to(tl.int32, bitcast=True)
+    key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (key32.to(tl.int64) << 32) | (0x7FFFFFFF - block_id).to(tl.int64)
+
+
+@triton.jit
+def _partial_kernel(
+    iq_ptr, stride_iq_t, stride_iq_h,
+    ik_ptr, stride_ik_p, stride_ik_s,
+    bt_ptr, stride_bt, seq_slots_ptr, token_seq_ptr, pos_ptr, slot_ptr,
+    part_ptr, T, page_size, NC,
+    HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    c = tl.program_id(1)
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * BLOCK_T + r // HIDX
+    head = r % HIDX
+    row_ok = (r < BLOCK_T * HIDX) & (tok < T)
+    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)
+    row_ok = row_ok & (slot >= 0)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+    seq = tl.load(token_seq_ptr + tok, mask=row_ok, other=0)
+    local = pos // page_size
+    b0 = c * CHUNK
+    # Chunks past every row's last visible block (decode launches at block-table capacity)
+    # do nothing; the merge skips their candidates, which are never written.
+    if b0 <= tl.max(tl.where(row_ok, local, -1), axis=0):
+        d = tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_h + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < DI), other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        cols = tl.arange(0, CHUNK)
+        S = tl.full([BLOCK_M, CHUNK], float("-inf"), tl.float32)
+        # Rows of one tile may belong to several sequences (tiles straddle request boundaries):
+        # visit each sequence present, against its own pages.
+        s_lo = tl.min(tl.where(row_ok, seq, 2147483647), axis=0)
+        s_hi = tl.max(tl.where(row_ok, seq, -1), axis=0)
+        for s in range(s_lo, s_hi + 1):
+            in_s = row_ok & (seq == s)
+            p_hi = tl.max(tl.where(in_s, pos, -1), axis=0)
+            b_end = tl.minimum(b0 + CHUNK, (p_hi + page_size) // page_size)  # p_hi = -1 -> b_end <= 0
+            srow = tl.load(seq_slots_ptr + s)
+            for b in range(b0, b_end):
+                page = tl.load(bt_ptr + srow.to(tl.int64) * stride_bt + b)
+                kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
+                             mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
+                if DOT_F32:
+                    sc = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+                else:
+                    sc = tl.dot(q, tl.trans(kt))
+                j = b * page_size + n
+                vis = in_s[:, None] & (j[None, :] <= pos[:, None]) & (n[None, :] < page_size)
+                bs = tl.max(tl.where(vis, sc, float("-inf")), axis=1)
+                bs = tl.where(local == b, float("-inf"), bs)  # the local block is forced by the merge
+                S = tl.where((cols[None, :] == b - b0) & in_s[:, None], bs[:, None], S)
+        keys = _pack_keys(S, b0 + cols[None, :])
+        out = part_ptr + ((tok.to(tl.int64) * HIDX + head) * NC + c) * KP
+        for i in tl.static_range(KP):
+            best = tl.max(keys, axis=1)
+            tl.store(out + i, best, mask=row_ok)
+            keys = tl.where(keys == best[:, None], -9223372036854775807, keys)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, pos_ptr, slot_ptr, out_ptr, stride_out_h, stride_out_t, page_size,
+    HIDX: tl.constexpr, NCAND: tl.constexpr, BLOCK_C: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    CHUNK: tl.constexpr, KP: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    ok = slot >= 0
+    local = tl.load(pos_ptr + t).to(tl.int32) // page_size
+    n_other = tl.where(ok, tl.minimum(local, TOPK - 1), -1)  # non-local blocks to pick
+    ci = tl.arange(0, BLOCK_C)
+    written = (ci < NCAND) & ok & ((ci // KP) * CHUNK <= local)  # chunks the partial kernel ran
+    keys = tl.load(part_ptr + (t.to(tl.int64) * HIDX + h) * NCAND + ci, mask=written, other=-9223372036854775807)
+    kk = tl.arange(0, TOPK_PAD)
+    res = tl.full([TOPK_PAD], -1, tl.int32)
+    for i in range(0, n_other):
+        best = tl.max(keys, axis=0)
+        res = tl.where(kk == i, 0x7FFFFFFF - best.to(tl.int32), res)  # low word: 2**31 - 1 - id
+        keys = tl.where(keys == best, -9223372036854775807, keys)
+    res = tl.where(kk == n_other, local, res)
+    tl.store(out_ptr + h * stride_out_h + t.to(tl.int64) * stride_out_t + kk, res, mask=kk < TOPK)
+
+
+def _check(iq: Tensor, index_k_l: Tensor, out: Tensor, topk: int, page_size: int, T: int) -> None:
+    if iq.dim() != 3 or iq.stride(2) != 1 or index_k_l.dim() != 3 or index_k_l.stride(2) != 1:
+        raise ValueError(f"need iq [T, H, Di] and index_k_l [P, page, Di] with contiguous rows; got "
+                         f"{tuple(iq.shape)}, {tuple(index_k_l.shape)}")
+    if iq.shape[2] != index_k_l.shape[2] or index_k_l.shape[1] != page_size:
+        raise ValueError(f"index dims differ or page size mismatch: iq {tuple(iq.shape)}, "
+                         f"index_k_l {tuple(index_k_l.shape)}, page_size {page_size}")
+    if topk < 1 or out.dtype != torch.int32 or out.dim() != 3 or out.shape[0] != iq.shape[1] \
+            or out.shape[1] < T or out.shape[2] != topk or out.stride(2) != 1:
+        raise ValueError(f"out must be int32 [H={iq.shape[1]}, >= {T}, topk={topk}] with topk >= 1, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+
+
+def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
+            num_blocks: int, block_t: int, chunk: int) -> None:
+    """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row."""
+    check_device("index top-k", iq, index_k_l, out)
+    if chunk < 1 or chunk & (chunk - 1) or block_t < 1:
+        raise ValueError(f"chunk must be a power of two and block_t >= 1, got chunk={chunk}, block_t={block_t}")
+    if T == 0:
+        return
+    buf, H, Di = meta.buffers, iq.shape[1], iq.shape[2]
+    nc = triton.cdiv(max(num_blocks, 1), chunk)
+    kp = max(1, min(topk - 1, chunk))
+    part = torch.empty((T, H, nc, kp), dtype=torch.int64, device=iq.device)
+    # fp32 dots: the interpreter's bf16 dot is wrong, and fp32 inputs should not drop to tf32
+    dot_f32 = interpreting() or iq.dtype == torch.float32
+    block_m = pad_dim(block_t * H)
+    _partial_kernel[(triton.cdiv(T, block_t), nc)](
+        iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
+        meta.block_tables, meta.block_tables.stride(0), buf.seq_slots, buf.token_seq, buf.positions,
+        buf.slot_mapping, part, T, meta.page_size, nc,
+        HIDX=H, DI=Di, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=pad_dim(meta.page_size),
+        BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32,
+        num_warps=4 if block_m <= 64 else 8, num_stages=3,
+    )
+    _merge_kernel[(T, H)](
+        part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size,
+        HIDX=H, NCAND=nc * kp, BLOCK_C=max(16, next_pow2(nc * kp)), TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
+        CHUNK=chunk, KP=kp, num_warps=1 if nc * kp <= 512 else 4,
+    )
+
+
+def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device) -> int:
+    """Key blocks per decode program: enough programs (~2 per SM) to stream index-K at full
+    bandwidth for small batches, fewer and longer ones for large batches. Shape-only."""
+    want_programs = 2 * num_sms(device)
+    per_row = triton.cdiv(want_programs, max(num_tokens, 1))
+    return min(64, max(4, next_pow2(triton.cdiv(max(num_blocks, 1), per_row))))
+
+
+def index_topk_decode(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
+                      chunk: int | None = None) -> None:
+    """Graph-safe per-group top-k for one query row per entry of ``iq`` (decode, spec decode).
+
+    Every row of ``iq`` is processed, with its position, sequence and slot read from the
+    metadata's persistent device buffers (rows past the real tokens hold pad values and get
+    ``-1``); the grid depends only on ``iq.shape[0]`` and the block-table width.
+
+    Args:
+        iq: ``[T, H, Di]`` index queries (post norm and RoPE), H = num kv groups.
+        index_k_l: ``[num_pages, page_size, Di]`` one sparse layer of the index-K cache.
+        meta: this step's metadata (only device buffers, block tables and page size are read).
+        topk: blocks per (group, token).
+        out: ``int32 [H, >= T, topk]``; columns ``< T`` are written.
+        chunk: key blocks per program (power of two); default from :func:`decode_chunk`.
+    """
+    T = iq.shape[0]
+    _check(iq, index_k_l, out, topk, meta.page_size, T)
+    cap = meta.block_tables.shape[1]
+    chunk = chunk or decode_chunk(T, cap, iq.device)
+    _launch(iq, index_k_l, meta, out, topk, T, cap, 1, chunk)
+
+
+def index_topk_prefill(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
+                       block_t: int | None = None, chunk: int | None = None) -> None:
+    """Per-group top-k for the step's real tokens (prefill chunks and mixed batches).
+
+    Uses host metadata (``num_tokens``, ``max_kv_len``) to size the grid, so it is not
+    graph-safe. Same arguments as :func:`index_topk_decode`; columns ``< meta.num_tokens``
+    of ``out`` are written.
+
+    Args:
+        block_t: tokens per program (their rows share each loaded index-K tile); default
+            fills a 64-row ``tl.dot`` tile.
+        chunk: key blocks per program; default 64 (128 past 2048 blocks, keeping the merge's
+            candidate list short).
+    """
+    T = meta.num_tokens
+    _check(iq, index_k_l, out, topk, meta.page_size, T)
+    if iq.shape[0] < T:
+        raise ValueError(f"iq has {iq.shape[0]} rows but the step has {T} tokens")
+    num_blocks = triton.cdiv(meta.max_kv_len, meta.page_size)
+    if block_t is None:
+        block_t = max(1, min(16, 64 // iq.shape[1]))
+    if chunk is None:
+        chunk = 64 if num_blocks <= 2048 else 128
+    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, block_t, chunk)
+
+
+__all__ = ["index_topk_decode", "index_topk_prefill", "decode_chunk"]

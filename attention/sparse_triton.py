@@ -1,0 +1,322 @@
+"""Block-sparse (and dense fallback) paged GQA in Triton, with a split-K decode path.
+
+Maths (same as ``attention.sparse.sparse_attention_ref``): q-head ``h`` of kv group
+``g = h // G`` at position ``p`` attends to keys ``{j <= p : j // B in Sel_g(p)}`` with an
+exact softmax (online, base 2: ``exp2(s * scale * log2 e)``), fp32 accumulation.
+
+One kernel, ``_attn_kernel``, grid (token tile, kv group, split):
+- the M dimension of both ``tl.dot`` s is (tokens of the tile) x (the G q heads of the
+  group), padded to >= 16 rows;
+- sparse mode visits the selected blocks of the tile's tokens; a block selected by several
+  tokens of the tile is loaded once (its page is skipped at later visits) and each row only
+  sees keys of blocks in its own selection, so a tile of neighbouring prefill tokens, which
+  mostly pick the same blocks, reads each block once (``BLOCK_T`` tokens per program);
+- dense mode (``DENSE``, one token per program) visits blocks ``0 .. p // B``: the fallback
+  for dense layers until a faster dense backend is used;
+- with ``NSPLIT > 1`` (decode) each program takes a slice of the visits and writes a partial
+  output and its log2-sum-exp; ``_merge_kernel`` combines the slices.
+Padded rows (slot ``-1``) are skipped: their output rows are not written. Selections must
+hold distinct block ids, as the indexer writes them (``-1`` entries are ignored).
+
+The decode entry points are graph-safe: the grid depends on ``q.shape[0]`` and the block
+table width only, every per-request value is read from the metadata's device buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention._triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
+from attention.metadata import AttentionMetadata
+
+Tensor = torch.Tensor
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, page, blk, rows, pos, page_size, qk_scale,
+                  stride_k_p, stride_k_s, stride_v_p, stride_v_s, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+    """One online-softmax step over the keys of ``page`` (logical block ``blk``) for ``rows``.
+
+    k_ptr, v_ptr already point at this kv group's head. Returns the updated (m, l, acc).
+    """
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    kv_mask = (n[:, None] < page_size) & (d[None, :] < D) & (page >= 0)  # page -1: no memory traffic
+    p64 = page.to(tl.int64)
+    k = tl.load(k_ptr + p64 * stride_k_p + n[:, None] * stride_k_s + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + p64 * stride_v_p + n[:, None] * stride_v_s + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    j = blk * page_size + n
+    vis = rows[:, None] & (j[None, :] <= pos[:, None]) & (n[None, :] < page_size)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, stride_q_t, stride_q_h,
+    k_ptr, v_ptr, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
+    sel_ptr, stride_sel_h, stride_sel_t,
+    bt_ptr, stride_bt, seq_slots_ptr, token_seq_ptr, pos_ptr, slot_ptr,
+    out_ptr, stride_o_t, stride_o_h, po_ptr, plse_ptr,
+    T, page_size, qk_scale, BPS,
+    G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
+    DENSE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    sp = tl.program_id(2)
+    r = tl.arange(0, BLOCK_M)
+    i_r = r // G
+    tok = tile * BLOCK_T + i_r
+    head = g * G + r % G
+    row_ok = (r < BLOCK_T * G) & (tok < T)
+    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)
+    row_ok = row_ok & (slot >= 0)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+    seq = tl.load(token_seq_ptr + tok, mask=row_ok, other=0)
+    srow = tl.load(seq_slots_ptr + seq, mask=row_ok, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    tok64 = tok.to(tl.int64)
+    q = tl.load(q_ptr + tok64[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kg_ptr = k_ptr + g * stride_k_h
+    vg_ptr = v_ptr + g * stride_v_h
+    if BLOCK_T == 1:
+        # One token per program (decode, dense fallback): scalar metadata, and a branch-free
+        # loop (absent pages are masked loads) so Triton can pipeline the K/V loads.
+        ok0 = tile < T
+        ok0 = ok0 & (tl.load(slot_ptr + tile, mask=ok0, other=-1) >= 0)
+        p0 = tl.load(pos_ptr + tile, mask=ok0, other=-1).to(tl.int32)
+        srow0 = tl.load(seq_slots_ptr + tl.load(token_seq_ptr + tile, mask=ok0, other=0), mask=ok0, other=0)
+        srow0 = srow0.to(tl.int64)
+        if DENSE:
+            v_lo = sp * BPS
+            v_hi = tl.minimum(v_lo + BPS, (p0 + page_size) // page_size)  # p0 = -1 (pad) -> empty
+        else:
+            v_lo = sp * BPS
+            v_hi = tl.minimum(v_lo + BPS, TOPK)
+        for v in range(v_lo, v_hi):
+            if DENSE:
+                blk = v
+            else:
+                blk = tl.load(sel_ptr + g * stride_sel_h + tile.to(tl.int64) * stride_sel_t + v, mask=ok0, other=-1)
+            page = tl.load(bt_ptr + srow0 * stride_bt + blk, mask=ok0 & (blk >= 0), other=-1)
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, blk, row_ok & (page >= 0), pos,
+                                          page_size, qk_scale, stride_k_p, stride_k_s, stride_v_p, stride_v_s,
+                                          D, BLOCK_N, BLOCK_D, DOT_F32)
+    else:
+        # A tile of tokens: visit each token's selected pages; a page an earlier token of the
+        # tile selected was already attended for every row whose selection holds it.
+        kk = tl.arange(0, K_PAD)
+        k_lo = sp * BPS
+        k_hi = tl.minimum(k_lo + BPS, TOPK)
+        in_split = (kk >= k_lo) & (kk < k_hi)
+        sel = tl.load(sel_ptr + g * stride_sel_h + tok64[:, None] * stride_sel_t + kk[None, :],
+                      mask=row_ok[:, None] & in_split[None, :], other=-1)
+        pages = tl.load(bt_ptr + srow[:, None] * stride_bt + sel, mask=sel >= 0, other=-1)  # [BLOCK_M, K_PAD]
+        fidx = i_r[:, None] * K_PAD + kk[None, :]
+        for i in range(0, BLOCK_T):
+            t_i = tile * BLOCK_T + i
+            ok_i = t_i < T
+            ok_i = ok_i & (tl.load(slot_ptr + t_i, mask=ok_i, other=-1) >= 0)
+            seq_i = tl.load(token_seq_ptr + t_i, mask=ok_i, other=0)
+            srow_i = tl.load(seq_slots_ptr + seq_i, mask=ok_i, other=0).to(tl.int64)
+            for k in range(k_lo, k_hi):
+                blk = tl.load(sel_ptr + g * stride_sel_h + t_i.to(tl.int64) * stride_sel_t + k, mask=ok_i, other=-1)
+                page = tl.load(bt_ptr + srow_i * stride_bt + blk, mask=blk >= 0, other=-1)
+                dup = tl.max(tl.max(tl.where((pages == page) & (fidx < i * K_PAD + k), 1, 0), axis=1), axis=0)
+                page = tl.where(dup > 0, -1, page)
+                if page >= 0:  # skipping (not masking) saves the two dots of repeated pages
+                    rows = row_ok & (tl.max(tl.where(pages == page, 1, 0), axis=1) > 0)
+                    m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, blk, rows, pos,
+                                                  page_size, qk_scale, stride_k_p, stride_k_s, stride_v_p,
+                                                  stride_v_s, D, BLOCK_N, BLOCK_D, DOT_F32)
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    dmask = row_ok[:, None] & (d[None, :] < D)
+    if NSPLIT == 1:
+        tl.store(out_ptr + tok64[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=dmask)
+    else:
+        hq = tl.num_programs(1) * G
+        prow = (tok64 * hq + head) * NSPLIT + sp
+        tl.store(po_ptr + prow[:, None] * BLOCK_D + d[None, :], o, mask=dmask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(plse_ptr + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
+                  G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NSPLIT: tl.constexpr):
+    """out[t, heads of group g] = sum_s w_s o_s with w_s = 2^lse_s / sum 2^lse."""
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    hq = tl.num_programs(1) * G
+    slot = tl.load(slot_ptr + t)
+    hh = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    ok = (hh < G) & (slot >= 0)
+    head = g * G + hh
+    prow = (t.to(tl.int64) * hq + head) * NSPLIT
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for s in range(NSPLIT):
+        lse = tl.load(plse_ptr + prow + s, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        o = tl.load(po_ptr + (prow + s)[:, None] * BLOCK_D + d[None, :], mask=ok[:, None] & (w > 0)[:, None],
+                    other=0.0)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        l = l * alpha + w
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + t.to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (d[None, :] < D))
+
+
+def _check(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, out: Tensor, page_size: int, T: int) -> None:
+    if q.dim() != 3 or k_cache_l.dim() != 4 or v_cache_l.shape != k_cache_l.shape or q.shape[2] != k_cache_l.shape[3]:
+        raise ValueError(f"need q [T, Hq, D] and cache layers [P, page, Hkv, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache_l.shape)}, {tuple(v_cache_l.shape)}")
+    if q.shape[1] % k_cache_l.shape[2]:
+        raise ValueError(f"num_qo_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache_l.shape[2]}")
+    if k_cache_l.shape[1] != page_size:
+        raise ValueError(f"cache page size {k_cache_l.shape[1]} differs from the metadata's {page_size}")
+    if out.shape[1:] != q.shape[1:] or out.shape[0] < T or q.shape[0] < T:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with >= {T} rows")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache_l.stride(3) != 1 or v_cache_l.stride(3) != 1:
+        raise ValueError("q, out and the cache layers need a contiguous last dimension")
+
+
+def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None, meta: AttentionMetadata,
+            out: Tensor, scale: float, T: int, block_t: int, nsplit: int, bps: int, dense: bool) -> None:
+    check_device("sparse attention", q, k_cache_l, out)
+    assert block_t == 1 or (nsplit == 1 and not dense), "splits and dense mode take one token per program"
+    if T == 0:
+        return
+    buf = meta.buffers
+    Hq, D, Hkv = q.shape[1], q.shape[2], k_cache_l.shape[2]
+    G = Hq // Hkv
+    topk = 1 if sel is None else sel.shape[2]
+    block_d = pad_dim(D)
+    if nsplit > 1:
+        po = torch.empty((T, Hq, nsplit, block_d), dtype=torch.float32, device=q.device)
+        plse = torch.empty((T, Hq, nsplit), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    sel_t = sel if sel is not None else meta.block_tables  # any int32 tensor: unused in dense mode
+    block_m = pad_dim(block_t * G)
+    _attn_kernel[(triton.cdiv(T, block_t), Hkv, nsplit)](
+        q, q.stride(0), q.stride(1),
+        k_cache_l, v_cache_l, k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
+        v_cache_l.stride(0), v_cache_l.stride(1), v_cache_l.stride(2),
+        sel_t, sel_t.stride(0), sel_t.stride(1),
+        meta.block_tables, meta.block_tables.stride(0), buf.seq_slots, buf.token_seq, buf.positions,
+        buf.slot_mapping, out, out.stride(0), out.stride(1), po, plse,
+        T, meta.page_size, scale * _LOG2E, bps,
+        G=G, D=D, TOPK=topk, K_PAD=max(2, next_pow2(topk)), BLOCK_T=block_t, BLOCK_M=block_m,
+        BLOCK_N=pad_dim(meta.page_size), BLOCK_D=block_d, NSPLIT=nsplit, DENSE=dense,
+        DOT_F32=interpreting() or q.dtype == torch.float32,  # interpreter bf16 dot is wrong; fp32: no tf32
+        num_warps=4 if block_m <= 64 else 8, num_stages=2,
+    )
+    if nsplit > 1:
+        _merge_kernel[(T, Hkv)](po, plse, buf.slot_mapping, out, out.stride(0), out.stride(1),
+                                G=G, D=D, G_PAD=max(2, next_pow2(G)), BLOCK_D=block_d, NSPLIT=nsplit, num_warps=4)
+
+
+def _check_sel(sel: Tensor, Hkv: int, T: int) -> None:
+    if sel.dtype != torch.int32 or sel.dim() != 3 or sel.shape[0] != Hkv or sel.shape[1] < T or sel.stride(2) != 1:
+        raise ValueError(f"topk_idx must be int32 [Hkv={Hkv}, >= {T}, topk], got {sel.dtype} {tuple(sel.shape)}")
+
+
+def decode_splits(num_rows: int, num_visits: int, device: torch.device) -> int:
+    """Splits of each (token, group)'s visits so ~2 programs per SM run; shape-only."""
+    want = triton.cdiv(2 * num_sms(device), max(num_rows, 1))
+    return max(1, min(num_visits, next_pow2(want)))
+
+
+def sparse_attention_decode(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, topk_idx: Tensor,
+                            meta: AttentionMetadata, out: Tensor, scale: float, nsplit: int | None = None) -> None:
+    """Graph-safe split-K sparse attention for every row of ``q`` (decode, spec decode).
+
+    Args:
+        q: ``[T, Hq, D]``; all T rows run, pad rows (slot -1 in the metadata buffers) are skipped.
+        k_cache_l, v_cache_l: one layer's ``[num_pages, page_size, Hkv, D]``.
+        topk_idx: ``int32 [Hkv, >= T, topk]`` logical block ids, ``-1`` ignored.
+        meta: this step's metadata (device buffers and block tables only).
+        out: ``[>= T, Hq, D]``; rows of real tokens are written.
+        scale: softmax scale.
+        nsplit: programs per (token, group); default :func:`decode_splits`.
+    """
+    T = q.shape[0]
+    _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
+    _check_sel(topk_idx, k_cache_l.shape[2], T)
+    topk = topk_idx.shape[2]
+    nsplit = min(topk, nsplit or decode_splits(T * k_cache_l.shape[2], topk, q.device))
+    bps = triton.cdiv(topk, nsplit)
+    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, triton.cdiv(topk, bps), bps, False)
+
+
+def sparse_attention_prefill(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, topk_idx: Tensor,
+                             meta: AttentionMetadata, out: Tensor, scale: float, block_t: int | None = None) -> None:
+    """Sparse attention for the step's real tokens (``meta.num_tokens`` rows; host metadata).
+
+    Args: as :func:`sparse_attention_decode`, plus ``block_t``: tokens per program sharing the
+    blocks they both selected (default fills 64 rows of ``tl.dot``; 1 = one token per program).
+    """
+    T = meta.num_tokens
+    _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
+    _check_sel(topk_idx, k_cache_l.shape[2], T)
+    G = q.shape[1] // k_cache_l.shape[2]
+    if block_t is None:
+        block_t = max(1, min(16, 64 // G))
+    if block_t < 1:
+        raise ValueError(f"block_t must be >= 1, got {block_t}")
+    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, block_t, 1, topk_idx.shape[2], False)
+
+
+def dense_attention_triton(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, meta: AttentionMetadata, out: Tensor,
+                           scale: float, graph_safe: bool) -> None:
+    """FALLBACK dense causal GQA (one token per program, split-K over key blocks).
+
+    Correct for any batch but slow for long prefills (every token streams its whole context);
+    a real dense backend (flashinfer) should be preferred. ``graph_safe=True`` launches all
+    ``q.shape[0]`` rows with splits sized by the block-table width (decode graphs);
+    otherwise ``meta.num_tokens`` rows with splits sized by ``meta.max_kv_len``.
+    """
+    T = q.shape[0] if graph_safe else meta.num_tokens
+    _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
+    blocks = meta.block_tables.shape[1] if graph_safe else triton.cdiv(meta.max_kv_len, meta.page_size)
+    nsplit = min(64, decode_splits(T * k_cache_l.shape[2], blocks, q.device))
+    bps = triton.cdiv(blocks, nsplit)
+    _launch(q, k_cache_l, v_cache_l, None, meta, out, scale, T, 1, triton.cdiv(blocks, bps), bps, True)
+
+
+__all__ = ["sparse_attention_decode", "sparse_attention_prefill", "dense_attention_triton", "decode_splits"]

@@ -1,0 +1,279 @@
+"""Triton index top-k (prefill and graph-safe decode) against ``attention.indexer.index_topk_ref``.
+
+On CPU the kernels run in the Triton interpreter (tiny shapes); on a GPU the same cases run
+compiled, plus real MiniMax-M3 shapes and a capture -> re-plan -> replay test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+from attention import indexer_triton  # noqa: E402
+from attention.indexer import block_scores, index_topk_ref  # noqa: E402
+from attention.kv_cache import KVCacheConfig, PagedKVCache  # noqa: E402
+from attention.metadata import MetadataBuilder, RequestChunk  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and type(indexer_triton._partial_kernel).__name__ != "InterpretedFunction":
+    indexer_triton = importlib.reload(indexer_triton)  # imported earlier without the interpreter
+
+
+class Scenario:
+    """Sequences in a paged cache filled with random data (stale slots too), and one step.
+
+    specs: [(context length incl. this step, query tokens this step)]; queries are the tail.
+    """
+
+    def __init__(self, specs, hkv, di, bs, seed, dtype=torch.bfloat16, device=DEV, spare_pages=2, max_tokens=None):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.g, self.device, self.dtype = g, device, dtype
+        npages = [-(-length // bs) for length, _ in specs]
+        self.cache = PagedKVCache(KVCacheConfig(
+            num_layers=1, sparse_layers=(0,), num_kv_heads=hkv, head_dim=16, index_dim=di, page_size=bs,
+            num_pages=sum(npages) + spare_pages, max_seqs=len(specs), max_pages_per_seq=max(npages) + spare_pages,
+            dtype=dtype, index_dtype=dtype, device=device))
+        c = self.cache
+        for i in range(len(specs)):
+            c.add_sequence(i)
+        for n in range(1, max(npages) + 1):  # round-robin growth scatters each sequence's pages
+            for i, (length, _) in enumerate(specs):
+                c.reserve(i, min(length, n * bs))
+        c.index_k_cache.copy_(torch.randn(c.index_k_cache.shape, generator=g, device=device))
+        total = sum(n for _, n in specs)
+        self.builder = MetadataBuilder(c, max_tokens=max_tokens or total + 3, max_seqs=len(specs))
+        self.meta = self.builder.build([RequestChunk(i, length - n, n) for i, (length, n) in enumerate(specs)])
+        self.T = total
+        self.iq = self.randn(self.builder.max_tokens, hkv, di)
+
+    def randn(self, *shape):
+        return torch.randn(shape, generator=self.g, device=self.device).to(self.dtype)
+
+
+def assert_same_selection(out, ref, scores=None, atol=0.0):
+    """Same valid count, valid prefix, same local block last, same set of blocks.
+
+    With ``scores`` (``[H, T, nblk]`` reference block scores), a differing block is accepted
+    when its score is within ``atol`` of the reference's weakest pick (near-ties).
+    """
+    H, T, K = ref.shape
+    out, ref = out[:, :T].long().cpu(), ref.long().cpu()
+    n_ref, n_out = (ref >= 0).sum(-1), (out >= 0).sum(-1)
+    assert torch.equal(n_ref, n_out), "different numbers of selected blocks"
+    col = torch.arange(K)
+    assert ((out >= 0) == (col < n_out[..., None])).all(), "valid ids must form a prefix"
+    last = (n_ref - 1).clamp(min=0)[..., None]
+    assert torch.equal(out.gather(-1, last), ref.gather(-1, last)), "the local block must be the last valid entry"
+    so, sr = out.sort(-1).values, ref.sort(-1).values
+    assert (so[..., 1:] != so[..., :-1])[so[..., 1:] >= 0].all(), "duplicate block ids"
+    bad = (so != sr).any(-1).nonzero().tolist()
+    if scores is None:
+        assert not bad, f"{len(bad)} (head, token) rows select different blocks, e.g. {bad[:3]}"
+        return
+    scores = scores.cpu()
+    for h, t in bad:
+        n = int(n_ref[h, t])
+        picked_ref = scores[h, t, ref[h, t, : n - 1]]
+        picked_out = scores[h, t, out[h, t, : n - 1]]
+        assert picked_out.min() >= picked_ref.min() - atol, f"row ({h}, {t}) picked a clearly worse block"
+    assert len(bad) <= max(1, H * T // 100), f"too many near-tie differences: {len(bad)}"
+
+
+def run_ref(sc, topk):
+    ref = torch.full((sc.iq.shape[1], sc.T, topk), -7, dtype=torch.int32, device=sc.device)
+    index_topk_ref(sc.iq, sc.cache.index_k_cache[0], sc.meta, topk, sc.cache.page_size, ref)
+    return ref
+
+
+def poisoned(sc, topk, rows):
+    return torch.full((sc.iq.shape[1], rows, topk), -7, dtype=torch.int32, device=sc.device)
+
+
+# (specs, Hkv, Di, block, topk, prefill block_t, chunk)
+PREFILL_CASES = [
+    ([(13, 13), (1, 1), (30, 1), (22, 5)], 2, 32, 4, 3, 4, 4),  # mixed batch, tiles straddle sequences
+    ([(60, 12), (100, 3)], 1, 32, 8, 4, None, None),  # one index head, default tiling
+    ([(9, 3), (17, 17)], 2, 16, 4, 1, 2, 4),  # topk 1: the local block only
+    ([(75, 6)], 2, 32, 16, 3, 3, 2),  # several chunks of 2 blocks
+]
+
+
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prefill_matches_reference(case):
+    specs, hkv, di, bs, topk, block_t, chunk = PREFILL_CASES[case]
+    sc = Scenario(specs, hkv, di, bs, seed=case)
+    out = poisoned(sc, topk, sc.T + 2)
+    indexer_triton.index_topk_prefill(sc.iq, sc.cache.index_k_cache[0], sc.meta, topk, out, block_t, chunk)
+    assert (out[:, sc.T:] == -7).all(), "columns past the real tokens must stay untouched"
+    assert_same_selection(out, run_ref(sc, topk))
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_decode_matches_reference_and_pads(chunk):
+    specs = [(41, 1), (7, 1), (64, 1), (1, 1)]
+    sc = Scenario(specs, 2, 32, 4, seed=10 + (chunk or 0), spare_pages=12)  # capacity well past the contexts
+    rows = sc.T + 3  # a padded decode bucket: rows past T are pad rows in the metadata buffers
+    out = poisoned(sc, 4, rows)
+    indexer_triton.index_topk_decode(sc.iq[:rows], sc.cache.index_k_cache[0], sc.meta, 4, out, chunk)
+    assert (out[:, sc.T:] == -1).all(), "pad rows must select nothing"
+    assert_same_selection(out, run_ref(sc, 4))
+
+
+def test_decode_reads_only_device_buffers():
+    """The graph-safety contract on CPU: after a re-plan (new contexts, pages, batch), a call
+    holding the *old* metadata object must still see the new step through the buffers."""
+    sc = Scenario([(30, 1), (9, 1), (45, 1)], 2, 16, 4, seed=5, spare_pages=4, max_tokens=4)
+    iq, ik = sc.iq[:4].clone(), sc.cache.index_k_cache[0]
+    old_meta, out = sc.meta, poisoned(sc, 3, 4)
+    indexer_triton.index_topk_decode(iq, ik, old_meta, 3, out)
+    sc.cache.reserve(0, 38)
+    sc.meta = sc.builder.build([RequestChunk(2, 44, 1), RequestChunk(0, 37, 1)])
+    sc.T = 2
+    sc.cache.index_k_cache.copy_(torch.randn(sc.cache.index_k_cache.shape, device=DEV))
+    iq.copy_(torch.randn(iq.shape, device=DEV))
+    sc.iq = iq
+    out.fill_(-7)
+    indexer_triton.index_topk_decode(iq, ik, old_meta, 3, out)
+    assert_same_selection(out, run_ref(sc, 3))
+    assert (out[:, 2:] == -1).all()
+
+
+def test_ties_go_to_the_lower_block():
+    sc = Scenario([(50, 2)], 2, 16, 4, seed=3, dtype=torch.float32)
+    sc.cache.index_k_cache.copy_(torch.randn(16, device=DEV).expand_as(sc.cache.index_k_cache))  # all scores equal
+    out = poisoned(sc, 4, sc.T)
+    indexer_triton.index_topk_decode(sc.iq[: sc.T], sc.cache.index_k_cache[0], sc.meta, 4, out)
+    want = torch.tensor([0, 1, 2, 12], dtype=torch.int32, device=DEV)  # positions 48, 49: local block 12
+    assert (out == want).all(), out
+    assert torch.equal(out, run_ref(sc, 4))
+
+
+def test_rejects_bad_arguments():
+    sc = Scenario([(9, 2)], 2, 16, 4, seed=4)
+    ik = sc.cache.index_k_cache[0]
+    with pytest.raises(ValueError, match="int32"):
+        indexer_triton.index_topk_prefill(sc.iq, ik, sc.meta, 3, torch.zeros(2, sc.T, 3, device=DEV))
+    with pytest.raises(ValueError, match="topk"):
+        indexer_triton.index_topk_prefill(sc.iq, ik, sc.meta, 3, poisoned(sc, 2, sc.T))
+    with pytest.raises(ValueError, match="power of two"):
+        indexer_triton.index_topk_decode(sc.iq, ik, sc.meta, 3, poisoned(sc, 3, sc.iq.shape[0]), chunk=3)
+    with pytest.raises(ValueError, match="index dims"):
+        indexer_triton.index_topk_decode(sc.iq[..., :8], ik, sc.meta, 3, poisoned(sc, 3, sc.T))
+
+
+# ---- compile for Hopper (no GPU needed) -------------------------------------------------
+
+
+def run_compile_reports(cases):
+    """compile_report for each case in a subprocess without the interpreter; the reports."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is missing")
+    code = ("import json, sys; from attention._triton_utils import compile_report; "
+            "print(json.dumps([compile_report(*c) for c in json.loads(sys.argv[1])]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    reports = json.loads(res.stdout.strip().splitlines()[-1])
+    for case, rep in zip(cases, reports):
+        assert rep["shared"] <= 227 * 1024, (case, rep)  # H200: 227 KiB per block
+        assert rep["spill_bytes"] <= 256, (case, rep)  # a little spilling at the 255-register cap is tolerated
+    return reports
+
+
+IDX_PTRS = dict(bt_ptr="i32", seq_slots_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64", part_ptr="i64",
+                out_ptr="i32")
+
+
+def test_kernels_compile_for_hopper():
+    def partial(bt, h, chunk, di=128, bn=128, f32=False):
+        bm = max(16, 1 << (bt * h - 1).bit_length())
+        c = dict(HIDX=h, DI=di, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=di, CHUNK=chunk, KP=min(15, chunk), DOT_F32=f32)
+        ptrs = dict(IDX_PTRS, **({"iq_ptr": "fp32", "ik_ptr": "fp32"} if f32 else {}))
+        return ["attention.indexer_triton", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8, 3]
+
+    merge = dict(HIDX=4, NCAND=4096, BLOCK_C=4096, TOPK=16, TOPK_PAD=16, CHUNK=64, KP=15)
+    cases = [partial(1, 4, 4), partial(16, 4, 64), partial(1, 1, 64), partial(4, 2, 4, di=32, bn=16, f32=True),
+             ["attention.indexer_triton", "_merge_kernel", merge, IDX_PTRS, [], 4, 3]]
+    reports = run_compile_reports(cases)
+    assert reports[1]["wgmma"], "the 64-row prefill tile should use Hopper wgmma"
+
+
+# ---- GPU: real shapes -----------------------------------------------------------------------
+
+REAL = dict(hkv=4, di=128, bs=128, topk=16)
+
+
+def ref_scores(sc):
+    """Reference block scores ``[H, T, nblk]`` of every real token (``-inf`` past its sequence)."""
+    from attention.dense import paged_gather
+
+    m, bs = sc.meta, sc.cache.page_size
+    nblk = -(-int(m.kv_lens_host.max()) // bs)
+    indptr = m.qo_indptr_host.tolist()
+    out = []
+    for b in range(m.num_seqs):
+        length = int(m.kv_lens_host[b])
+        ik = paged_gather(sc.cache.index_k_cache[0], m.block_tables, int(m.seq_slots_host[b]), length).float()
+        s = block_scores(sc.iq[indptr[b] : indptr[b + 1]].float(), ik, m.positions[indptr[b] : indptr[b + 1]], bs)
+        out.append(torch.nn.functional.pad(s, (0, nblk - s.shape[-1]), value=float("-inf")))
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ctx", [1024, 8192, 32768, 131072])
+def test_cuda_real_shapes(ctx):
+    topk = REAL["topk"]
+    # decode: three requests near ctx; prefill: a 512-token chunk at the tail of a ctx prompt
+    dec = Scenario([(ctx, 1), (ctx - 37, 1), (ctx // 2 + 5, 1)], REAL["hkv"], REAL["di"], REAL["bs"], seed=ctx)
+    out = poisoned(dec, topk, dec.T + 1)
+    indexer_triton.index_topk_decode(dec.iq[: dec.T + 1], dec.cache.index_k_cache[0], dec.meta, topk, out)
+    assert_same_selection(out, run_ref(dec, topk), ref_scores(dec), atol=1e-2)
+    assert (out[:, dec.T:] == -1).all()
+
+    pre = Scenario([(ctx, min(512, ctx))], REAL["hkv"], REAL["di"], REAL["bs"], seed=ctx + 1)
+    out = poisoned(pre, topk, pre.T)
+    indexer_triton.index_topk_prefill(pre.iq, pre.cache.index_k_cache[0], pre.meta, topk, out)
+    assert_same_selection(out, run_ref(pre, topk), ref_scores(pre), atol=1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_with_new_metadata():
+    topk, bucket = REAL["topk"], 8
+    sc = Scenario([(5000, 1), (300, 1), (9000, 1), (130, 1)], REAL["hkv"], REAL["di"], REAL["bs"], seed=7,
+                  spare_pages=80, max_tokens=bucket)
+    ik = sc.cache.index_k_cache[0]
+    iq = sc.iq[:bucket].clone()
+    out = poisoned(sc, topk, bucket)
+    indexer_triton.index_topk_decode(iq, ik, sc.meta, topk, out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer_triton.index_topk_decode(iq, ik, sc.meta, topk, out)
+    # Re-plan: other requests, longer contexts (new pages), different batch size; new data.
+    c = sc.cache
+    c.reserve(0, 5000 + 700)
+    c.reserve(2, 9000 + 129)
+    meta2 = sc.builder.build([RequestChunk(2, 9000 + 128, 1), RequestChunk(0, 5000 + 600, 1), RequestChunk(1, 299, 1)])
+    c.index_k_cache.normal_()
+    iq.copy_(torch.randn_like(iq))
+    out.fill_(-7)
+    graph.replay()
+    sc.meta, sc.T, sc.iq = meta2, 3, iq
+    assert_same_selection(out, run_ref(sc, topk), ref_scores(sc), atol=1e-2)
+    assert (out[:, 3:] == -1).all()

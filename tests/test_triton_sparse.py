@@ -1,0 +1,367 @@
+"""Triton block-sparse attention (prefill tiles, split-K decode), the dense fallback and the
+TritonAttention backend, against the torch references in ``attention.sparse`` / ``attention.dense``.
+
+On CPU the kernels run in the Triton interpreter (tiny shapes); on a GPU the same cases run
+compiled, plus real MiniMax-M3 shapes and capture -> re-plan -> replay tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+from attention import indexer_triton, sparse_triton, triton_backend  # noqa: E402
+from attention.backend import TorchAttention  # noqa: E402
+from attention.dense import dense_attention_ref  # noqa: E402
+from attention.indexer import index_topk_ref  # noqa: E402
+from attention.kv_cache import KVCacheConfig, PagedKVCache  # noqa: E402
+from attention.metadata import MetadataBuilder, RequestChunk  # noqa: E402
+from attention.sparse import sparse_attention_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and type(sparse_triton._attn_kernel).__name__ != "InterpretedFunction":
+    indexer_triton = importlib.reload(indexer_triton)  # imported earlier without the interpreter
+    sparse_triton = importlib.reload(sparse_triton)
+    triton_backend = importlib.reload(triton_backend)
+# bf16 operands with fp32 accumulation; fp32 inputs run fp32 ("ieee") dots, also on a GPU.
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+class Scenario:
+    """Random paged K/V/index-K (stale slots too), one step, q/iq, and reference selections.
+
+    specs: [(context length incl. this step, query tokens this step)]; queries are the tail.
+    Layer 0 is dense, layer 1 sparse.
+    """
+
+    def __init__(self, specs, hq, hkv, d, bs, topk, seed, dtype=torch.bfloat16, spare_pages=2, max_tokens=None):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.g, self.dtype, self.topk, self.scale = g, dtype, topk, d**-0.5
+        npages = [-(-length // bs) for length, _ in specs]
+        self.cache = c = PagedKVCache(KVCacheConfig(
+            num_layers=2, sparse_layers=(1,), num_kv_heads=hkv, head_dim=d, index_dim=d, page_size=bs,
+            num_pages=sum(npages) + spare_pages, max_seqs=len(specs), max_pages_per_seq=max(npages) + spare_pages,
+            dtype=dtype, index_dtype=dtype, device=DEV))
+        for i in range(len(specs)):
+            c.add_sequence(i)
+        for n in range(1, max(npages) + 1):  # round-robin growth scatters each sequence's pages
+            for i, (length, _) in enumerate(specs):
+                c.reserve(i, min(length, n * bs))
+        self.refill()
+        self.builder = MetadataBuilder(c, max_tokens=max_tokens or sum(n for _, n in specs) + 3, max_seqs=len(specs))
+        self.plan([RequestChunk(i, length - n, n) for i, (length, n) in enumerate(specs)])
+        rows = self.builder.max_tokens
+        self.q, self.iq = self.randn(rows, hq, d), self.randn(rows, hkv, d)
+
+    def randn(self, *shape):
+        return torch.randn(shape, generator=self.g, device=DEV).to(self.dtype)
+
+    def refill(self):
+        for t in (self.cache.k_cache, self.cache.v_cache, self.cache.index_k_cache):
+            t.copy_(torch.randn(t.shape, generator=self.g, device=DEV))
+
+    def plan(self, chunks):
+        self.meta = self.builder.build(chunks)
+        self.T = self.meta.num_tokens
+
+    def ref_selection(self):
+        sel = torch.full((self.cache.config.num_kv_heads, self.T, self.topk), -7, dtype=torch.int32, device=DEV)
+        index_topk_ref(self.iq, self.cache.index_k_cache[0], self.meta, self.topk, self.cache.page_size, sel)
+        return sel
+
+    def poisoned_out(self, rows=None):
+        return torch.full((rows or self.q.shape[0],) + self.q.shape[1:], float("nan"), dtype=self.dtype, device=DEV)
+
+    def sparse_ref(self, sel):
+        ref = torch.zeros((self.T,) + self.q.shape[1:], dtype=torch.float32, device=DEV)
+        sparse_attention_ref(self.q[: self.T].float(), self.cache.k_cache[1], self.cache.v_cache[1], sel, self.meta,
+                             ref, self.scale, self.cache.page_size)
+        return ref
+
+    def dense_ref(self):
+        ref = torch.zeros((self.T,) + self.q.shape[1:], dtype=torch.float32, device=DEV)
+        dense_attention_ref(self.q[: self.T].float(), self.cache.k_cache[0], self.cache.v_cache[0], self.meta, ref,
+                            self.scale)
+        return ref
+
+
+def rel_err(out, ref):
+    assert not out.isnan().any(), "NaN in a row that must be written"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def gather_sparse_ref(q, k_l, v_l, sel, meta, scale, T, chunk=32):
+    """fp32 sparse attention gathering only the selected pages (scales to 128K contexts)."""
+    buf, bt = meta.buffers, meta.block_tables
+    Hq, D = q.shape[1:]
+    Hkv, B = k_l.shape[2], k_l.shape[1]
+    kp, vp = k_l.permute(0, 2, 1, 3), v_l.permute(0, 2, 1, 3)  # [P, Hkv, B, D]
+    out = torch.empty(T, Hq, D, dtype=torch.float32, device=q.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        s = sel[:, t0:t1].long().permute(1, 0, 2)  # [n, Hkv, K]
+        srow = buf.seq_slots[buf.token_seq[t0:t1].long()].long()
+        pages = bt[srow[:, None, None], s.clamp(min=0)].long()
+        grp = torch.arange(Hkv, device=q.device)[None, :, None]
+        k, v = kp[pages, grp].float(), vp[pages, grp].float()  # [n, Hkv, K, B, D]
+        j = s[..., None] * B + torch.arange(B, device=q.device)
+        vis = (s >= 0)[..., None] & (j <= buf.positions[t0:t1, None, None, None])
+        qq = q[t0:t1].float().view(t1 - t0, Hkv, Hq // Hkv, D)
+        sc = torch.einsum("nhgd,nhkbd->nhgkb", qq, k) * scale
+        sc = sc.masked_fill(~vis[:, :, None], float("-inf"))
+        p = torch.softmax(sc.flatten(-2), dim=-1).view_as(sc)
+        out[t0:t1] = torch.einsum("nhgkb,nhkbd->nhgd", p, v).reshape(t1 - t0, Hq, D)
+    return out
+
+
+# (specs, Hq, Hkv, D, block, topk, block_t)
+PREFILL_CASES = [
+    ([(13, 13), (1, 1), (30, 1), (22, 5)], 4, 2, 32, 4, 3, 4),  # tiles straddle sequences
+    ([(60, 12), (100, 3)], 6, 2, 32, 8, 4, 2),
+    ([(9, 3), (17, 17)], 2, 1, 32, 4, 1, 1),  # topk 1: local block only
+    ([(75, 6)], 4, 4, 16, 16, 3, None),  # no GQA sharing, default tile
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prefill_matches_reference(case, dtype):
+    specs, hq, hkv, d, bs, topk, block_t = PREFILL_CASES[case]
+    sc = Scenario(specs, hq, hkv, d, bs, topk, seed=case, dtype=dtype)
+    sel = sc.ref_selection()
+    out = sc.poisoned_out()
+    sparse_triton.sparse_attention_prefill(sc.q, sc.cache.k_cache[1], sc.cache.v_cache[1], sel, sc.meta, out,
+                                           sc.scale, block_t)
+    assert out[sc.T :].isnan().all(), "rows past the real tokens must stay untouched"
+    assert rel_err(out[: sc.T], sc.sparse_ref(sel)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("nsplit", [1, 2, 3])
+def test_decode_split_matches_reference(nsplit):
+    sc = Scenario([(41, 1), (7, 1), (64, 1), (1, 1)], 6, 2, 32, 4, 4, seed=20 + nsplit, dtype=torch.float32)
+    sel = torch.full((2, sc.q.shape[0], 4), 3, dtype=torch.int32, device=DEV)  # junk in the pad rows
+    sel[:, : sc.T] = sc.ref_selection()
+    out = sc.poisoned_out()
+    sparse_triton.sparse_attention_decode(sc.q, sc.cache.k_cache[1], sc.cache.v_cache[1], sel, sc.meta, out,
+                                          sc.scale, nsplit)
+    assert out[sc.T :].isnan().all(), "pad rows (slot -1) must not be written"
+    assert rel_err(out[: sc.T], sc.sparse_ref(sel)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("graph_safe", [False, True])
+def test_dense_fallback_matches_reference(graph_safe):
+    sc = Scenario([(13, 13), (30, 1), (22, 5)], 4, 2, 32, 4, 3, seed=30, dtype=torch.bfloat16)
+    out = sc.poisoned_out()
+    sparse_triton.dense_attention_triton(sc.q, sc.cache.k_cache[0], sc.cache.v_cache[0], sc.meta, out, sc.scale,
+                                         graph_safe)
+    assert out[sc.T :].isnan().all()
+    assert rel_err(out[: sc.T], sc.dense_ref()) < TOL[torch.bfloat16]
+
+
+def test_gather_reference_matches_sparse_reference():
+    sc = Scenario([(30, 7), (17, 2)], 4, 2, 16, 4, 3, seed=40, dtype=torch.float32)
+    sel = sc.ref_selection()
+    got = gather_sparse_ref(sc.q, sc.cache.k_cache[1], sc.cache.v_cache[1], sel, sc.meta, sc.scale, sc.T, chunk=4)
+    assert rel_err(got, sc.sparse_ref(sel)) < 1e-5
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_backend_matches_torch_backend(decode):
+    specs = [(37, 1), (12, 1), (50, 1)] if decode else [(37, 9), (12, 1), (50, 2)]
+    sc = Scenario(specs, 4, 2, 32, 4, 3, seed=50 + decode, dtype=torch.float32)
+    dims = dict(num_qo_heads=4, topk=3, max_tokens=sc.builder.max_tokens)
+    tri, ref = triton_backend.TritonAttention(sc.cache, **dims), TorchAttention(sc.cache, **dims)
+    rows = sc.q.shape[0] if decode else sc.T  # decode buckets carry pad rows
+    for be in (tri, ref):
+        be.plan(sc.meta)
+    outs = {}
+    for name, be in (("triton", tri), ("torch", ref)):
+        o_sparse, o_dense = sc.poisoned_out(rows), sc.poisoned_out(rows)
+        be.sparse(1, sc.q[:rows], sc.iq[:rows], o_sparse)
+        be.dense(0, sc.q[:rows], o_dense)
+        outs[name] = (o_sparse, o_dense)
+    assert torch.equal(tri.topk_buf[:, : sc.T], ref.topk_buf[:, : sc.T])  # random data: no near-ties
+    for a, b in zip(outs["triton"], outs["torch"]):
+        assert a[sc.T :].isnan().all()
+        assert rel_err(a[: sc.T], b[: sc.T]) < TOL[torch.float32]
+
+
+def test_decode_reads_only_device_buffers():
+    """Graph-safety on CPU: after a re-plan (new contexts, pages, batch), the decode ops run
+    with the *old* metadata object must compute the new step from the persistent buffers."""
+    sc = Scenario([(30, 1), (9, 1), (45, 1)], 4, 2, 32, 4, 3, seed=60, dtype=torch.float32, spare_pages=4,
+                  max_tokens=4)
+    be = triton_backend.TritonAttention(sc.cache, num_qo_heads=4, topk=3, max_tokens=4)
+    be.plan(sc.meta)
+    q, iq = sc.q.clone(), sc.iq.clone()
+    o_sparse, o_dense = sc.poisoned_out(), sc.poisoned_out()
+    be.sparse(1, q, iq, o_sparse)
+    be.dense(0, q, o_dense)
+    sc.cache.reserve(0, 38)
+    sc.plan([RequestChunk(2, 44, 1), RequestChunk(0, 37, 1)])  # the backend keeps the old metadata
+    sc.refill()
+    q.copy_(torch.randn(q.shape, device=DEV))
+    iq.copy_(torch.randn(iq.shape, device=DEV))
+    sc.q, sc.iq = q, iq
+    o_sparse.fill_(float("nan"))
+    o_dense.fill_(float("nan"))
+    be.sparse(1, q, iq, o_sparse)
+    be.dense(0, q, o_dense)
+    sel = sc.ref_selection()
+    assert torch.equal(be.topk_buf[:, :2], sel)
+    assert rel_err(o_sparse[:2], sc.sparse_ref(sel)) < TOL[torch.float32]
+    assert rel_err(o_dense[:2], sc.dense_ref()) < TOL[torch.float32]
+
+
+def test_rejects_bad_arguments():
+    sc = Scenario([(9, 2)], 4, 2, 16, 4, 3, seed=70)
+    sel = sc.ref_selection()
+    k, v = sc.cache.k_cache[1], sc.cache.v_cache[1]
+    with pytest.raises(ValueError, match="int32"):
+        sparse_triton.sparse_attention_prefill(sc.q, k, v, sel.long(), sc.meta, sc.poisoned_out(), sc.scale)
+    with pytest.raises(ValueError, match="multiple"):
+        sparse_triton.sparse_attention_decode(sc.q[:, :3], k, v, sel, sc.meta, sc.poisoned_out()[:, :3], sc.scale)
+    with pytest.raises(ValueError, match="out"):
+        sparse_triton.sparse_attention_prefill(sc.q, k, v, sel, sc.meta, sc.poisoned_out()[:, :2], sc.scale)
+
+
+# ---- compile for Hopper (no GPU needed) -------------------------------------------------
+
+
+def run_compile_reports(cases):
+    """compile_report for each case in a subprocess without the interpreter; the reports."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is missing")
+    code = ("import json, sys; from attention._triton_utils import compile_report; "
+            "print(json.dumps([compile_report(*c) for c in json.loads(sys.argv[1])]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    reports = json.loads(res.stdout.strip().splitlines()[-1])
+    for case, rep in zip(cases, reports):
+        assert rep["shared"] <= 227 * 1024, (case, rep)  # H200: 227 KiB per block
+        assert rep["spill_bytes"] <= 256, (case, rep)  # a little spilling at the 255-register cap is tolerated
+    return reports
+
+
+ATTN_PTRS = dict(sel_ptr="i32", bt_ptr="i32", seq_slots_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64",
+                 po_ptr="fp32", plse_ptr="fp32")
+
+
+def test_kernels_compile_for_hopper():
+    def attn(bt, g, nsplit, dense=False, d=128, bn=128, f32=False):
+        bm = max(16, 1 << (bt * g - 1).bit_length())
+        c = dict(G=g, D=d, TOPK=16, K_PAD=16, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, NSPLIT=nsplit, DENSE=dense,
+                 DOT_F32=f32)
+        ptrs = dict(ATTN_PTRS, **({"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "out_ptr": "fp32"} if f32 else {}))
+        return ["attention.sparse_triton", "_attn_kernel", c, ptrs, ["qk_scale"], 4 if bm <= 64 else 8, 2]
+
+    merge = dict(G=16, D=128, G_PAD=16, BLOCK_D=128, NSPLIT=16)
+    cases = [attn(1, 16, 16), attn(4, 16, 1), attn(8, 8, 1), attn(1, 16, 8, dense=True),
+             attn(4, 2, 1, d=32, bn=16, f32=True), ["attention.sparse_triton", "_merge_kernel", merge, ATTN_PTRS, [], 4, 3]]
+    reports = run_compile_reports(cases)
+    assert reports[1]["wgmma"], "the 64-row prefill tile should use Hopper wgmma"
+
+
+# ---- GPU: real shapes -----------------------------------------------------------------------
+
+
+def random_selection(meta, T, hkv, topk, bs, g, share=4):
+    """Valid selections (local last), shared by runs of ``share`` neighbouring tokens where
+    visibility allows: prefill neighbours mostly pick the same blocks."""
+    pos = meta.buffers.positions[:T]
+    local = pos // bs
+    nblk = int(local.max()) + 1
+    scores = torch.rand(hkv, -(-T // share), nblk, generator=g, device=DEV).repeat_interleave(share, 1)[:, :T]
+    blk = torch.arange(nblk, device=DEV)
+    scores = scores.masked_fill(blk[None, :] >= local[:, None], -1.0)  # the local block is placed last
+    n_other = torch.clamp(local, max=topk - 1)
+    k = min(topk - 1, nblk)
+    sel = torch.full((hkv, T, topk), -1, dtype=torch.int64, device=DEV)
+    if k > 0:
+        sel[..., :k] = scores.topk(k, dim=-1).indices
+    col = torch.arange(topk, device=DEV)
+    sel = sel.masked_fill(col >= n_other[:, None], -1)
+    sel.scatter_(-1, n_other[None, :, None].expand(hkv, T, 1), local[None, :, None].expand(hkv, T, 1))
+    return sel.to(torch.int32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ctx", [1024, 8192, 32768, 131072])
+def test_cuda_real_shapes(ctx):
+    hq, hkv, d, bs, topk = 64, 4, 128, 128, 16
+    for specs in ([(ctx, 1), (ctx - 37, 1), (ctx // 2 + 5, 1)], [(ctx, min(256, ctx))]):
+        sc = Scenario(specs, hq, hkv, d, bs, topk, seed=ctx)
+        sel = torch.full((hkv, sc.q.shape[0], topk), -1, dtype=torch.int32, device=DEV)  # pad rows: -1
+        sel[:, : sc.T] = random_selection(sc.meta, sc.T, hkv, topk, bs, sc.g)
+        k, v = sc.cache.k_cache[1], sc.cache.v_cache[1]
+        ref = gather_sparse_ref(sc.q, k, v, sel, sc.meta, sc.scale, sc.T)
+        out = sc.poisoned_out()
+        if len(specs) > 1:
+            sparse_triton.sparse_attention_decode(sc.q, k, v, sel, sc.meta, out, sc.scale)
+        else:
+            sparse_triton.sparse_attention_prefill(sc.q, k, v, sel, sc.meta, out, sc.scale)
+        assert out[sc.T :].isnan().all()
+        assert rel_err(out[: sc.T], ref) < 1e-2
+        if ctx == 1024:  # the paged torch reference is cheap here: check the gather reference too
+            assert rel_err(ref, sc.sparse_ref(sel)) < 1e-5
+        if len(specs) == 1 and ctx <= 8192:
+            out_d = sc.poisoned_out()
+            sparse_triton.dense_attention_triton(sc.q, sc.cache.k_cache[0], sc.cache.v_cache[0], sc.meta, out_d,
+                                                 sc.scale, graph_safe=False)
+            assert rel_err(out_d[: sc.T], sc.dense_ref()) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_with_new_metadata():
+    hq, hkv, d, bs, topk, bucket = 64, 4, 128, 128, 16, 8
+    sc = Scenario([(5000, 1), (300, 1), (9000, 1), (130, 1)], hq, hkv, d, bs, topk, seed=80, spare_pages=80,
+                  max_tokens=bucket)
+    be = triton_backend.TritonAttention(sc.cache, num_qo_heads=hq, topk=topk, max_tokens=bucket)
+    q, iq = sc.q[:bucket].clone(), sc.iq[:bucket].clone()
+    o_sparse, o_dense = sc.poisoned_out(bucket), sc.poisoned_out(bucket)
+
+    def step():
+        be.sparse(1, q, iq, o_sparse)
+        be.dense(0, q, o_dense)
+
+    be.plan(sc.meta)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    sc.cache.reserve(0, 5700)
+    sc.cache.reserve(2, 9129)
+    sc.plan([RequestChunk(2, 9128, 1), RequestChunk(0, 5600, 1), RequestChunk(1, 299, 1)])
+    be.plan(sc.meta)
+    sc.refill()
+    q.copy_(torch.randn(q.shape, device=DEV))
+    iq.copy_(torch.randn(iq.shape, device=DEV))
+    sc.q, sc.iq = q, iq
+    o_sparse.fill_(float("nan"))
+    o_dense.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    sel = be.topk_buf[:, : sc.T].clone()
+    ref_sel = sc.ref_selection()
+    assert ((sel.sort(-1).values != ref_sel.sort(-1).values).any(-1).float().mean() < 0.02), "selection differs"
+    assert rel_err(o_sparse[: sc.T], sc.sparse_ref(sel)) < 1e-2
+    assert rel_err(o_dense[: sc.T], sc.dense_ref()) < 1e-2
+    assert o_sparse[sc.T :].isnan().all() and o_dense[sc.T :].isnan().all()
