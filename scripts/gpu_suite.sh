@@ -27,14 +27,16 @@ status=0
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
 } 2>&1 | tee "$LOG"
+# Each part gets at most PART_TIMEOUT seconds, so one hang cannot eat the whole call.
+T="timeout --signal=INT ${PART_TIMEOUT:-900}"
 for part in "${parts[@]}"; do
   echo "=== $part ($(date +%T)) ===" | tee -a "$LOG"
   case "$part" in
-    tests)   python3 -m pytest -m cuda -q -rs --timeout 300 tests/ 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    toy)     python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    kernels) python3 benchmarks/bench_attention_kernels.py --json "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    profile) python3 examples/profile_forward.py --preset rank-of-8 --layers 8 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    *)       python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    tests)   $T python3 -m pytest -m cuda -q -rs --timeout 300 tests/ 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    toy)     $T python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    kernels) $T python3 benchmarks/bench_attention_kernels.py --json "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    profile) $T python3 examples/profile_forward.py --preset rank-of-8 --layers 8 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    *)       $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac
   echo "=== $part exit $rc ===" | tee -a "$LOG"
   [ "$rc" -ne 0 ] && status=1
