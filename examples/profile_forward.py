@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--decode", default="1,2,4,8", help="decode batch sizes to time")
     p.add_argument("--context", type=int, default=200, help="prompt tokens per request before decoding")
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk of the mixed step")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="chunk size for prefilling the prompts")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
@@ -68,7 +69,7 @@ def main() -> None:
     ceiling = max(max(sizes) + args.chunk, args.chunk)
     buckets = tuple(sorted({*sizes, ceiling}))
     runner = build_from_preset(
-        config, args.device, dtype, backend="auto", max_tokens=ceiling, max_seqs=max_seqs,
+        config, args.device, dtype, backend="auto", max_tokens=max(ceiling, args.prefill_chunk), max_seqs=max_seqs,
         max_seq_len=args.context + args.chunk + 8,
     )
     graphs = CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=not cuda)
@@ -88,8 +89,8 @@ def main() -> None:
     for i in range(max_seqs):  # admit requests and prefill their prompts eagerly
         runner.add_request(i)
         prompt = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
-        for start in range(0, args.context, args.chunk):
-            runner.step([TokenChunk(i, start, prompt[start:start + args.chunk])])
+        for start in range(0, args.context, args.prefill_chunk):
+            runner.step([TokenChunk(i, start, prompt[start:start + args.prefill_chunk])])
     steps = {f"decode {n}": [TokenChunk(i, args.context, [int(torch.randint(0, vocab, (1,), generator=gen))]) for i in range(n)] for n in sizes}
     mixed_prefill = TokenChunk(max_seqs - 1, args.context, torch.randint(0, vocab, (args.chunk,), generator=gen).tolist())
     steps[f"mixed {max(sizes) - 1}+{args.chunk}"] = steps[f"decode {max(sizes)}"][:-1] + [mixed_prefill]

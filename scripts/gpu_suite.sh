@@ -34,8 +34,8 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)   $T python3 -m pytest -m cuda -q -rs --timeout 300 tests/ 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     toy)     $T python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    kernels) $T python3 benchmarks/bench_attention_kernels.py --json "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    profile) $T python3 examples/profile_forward.py --preset rank-of-8 --layers 8 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    kernels) $T python3 benchmarks/bench_attention_kernels.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    profile) $T python3 examples/profile_forward.py --preset rank-of-8 --layers 16 --decode 1,2,4,8,16,32 --context 3000 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)       $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac
   echo "=== $part exit $rc ===" | tee -a "$LOG"

@@ -77,3 +77,25 @@ def test_captured_steps_equal_eager_steps_on_gpu(backend):
     else:
         assert any(s.status == "captured" and s.hits for s in whole)
     assert all(s.status == "captured" for (b, full), s in stats.buckets.items() if not full)
+
+
+def test_fused_triton_producer_matches_torch_producer():
+    """The model with the fused norm+RoPE+cache-write kernel (Triton interpreter on CPU) gives
+    the torch producer's logits and cache contents."""
+    runs = {}
+    for producer in ("torch", "triton"):
+        runner = build_from_preset("tiny", "cpu", torch.float32, producer=producer, max_tokens=32, max_seqs=2, max_seq_len=64)
+        assert runner.model.producer == producer
+        runner.add_request(0)
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(0, runner.model.config.vocab_size, (14,), generator=g).tolist()
+        first = runner.step([TokenChunk(0, 0, prompt)], all_logits=True).logits
+        second = runner.step([TokenChunk(0, 14, [5])], all_logits=True).logits
+        runs[producer] = (first, second, runner.cache.k_cache.clone(), runner.cache.index_k_cache.clone())
+    for a, b in zip(runs["torch"], runs["triton"]):
+        assert relative_error(b, a) < 1e-4
+
+
+def test_unknown_producer_is_rejected():
+    with pytest.raises(ValueError, match="producer"):
+        build_from_preset("tiny", "cpu", torch.float32, producer="cuda-magic")

@@ -14,7 +14,7 @@ state or step metadata, so graphcap can record everything between two splices.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -26,11 +26,28 @@ from .config import MiniMaxM3Config
 from .layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
-class M3Attention(nn.Module):
-    """Dense GQA (``sparse=False``) or MSA with its index branch (``sparse=True``)."""
+def resolve_producer(producer: str, device: torch.device | str | None) -> str:
+    """``auto`` -> the fused Triton producer on CUDA (one kernel for the per-head norms, RoPE
+    and the K/V + index-K cache writes; measured far faster than the ~20 unfused torch ops,
+    see BENCHMARKS.md), plain torch elsewhere."""
+    if producer not in ("auto", "torch", "triton"):
+        raise ValueError(f"producer={producer!r}: choose auto, torch or triton")
+    if producer == "auto":
+        return "triton" if torch.device(device or "cpu").type == "cuda" else "torch"
+    return producer
 
-    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
+
+class M3Attention(nn.Module):
+    """Dense GQA (``sparse=False``) or MSA with its index branch (``sparse=True``).
+
+    ``producer`` picks how q/k/v/iq/ik go from the fused projection to attention: ``torch``
+    (norms, RoPE and ``cache.write`` as separate ops) or ``triton`` (one fused kernel).
+    """
+
+    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None,
+                 producer: str = "torch") -> None:
         super().__init__()
+        self.fused = producer == "triton"
         self.layer, self.sparse = layer, c.is_sparse(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.num_index_heads, self.index_dim = c.sparse_num_index_heads, c.sparse_index_dim
@@ -42,12 +59,21 @@ class M3Attention(nn.Module):
             self.index_q_norm = GemmaRMSNorm(c.sparse_index_dim, c.rms_norm_eps, dtype, device)
             self.index_k_norm = GemmaRMSNorm(c.sparse_index_dim, c.rms_norm_eps, dtype, device)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, dtype=dtype, device=device)
+        if self.fused:
+            from attention.cache_write_triton import QKVLayout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+            self.layout = QKVLayout(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                    c.sparse_num_index_heads if self.sparse else 0,
+                                    c.sparse_index_dim if self.sparse else 0, c.rotary_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: "RopeInputs", slot_mapping: torch.Tensor,
                 cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
-        """x: normed hidden ``[T, H]``; cos/sin fp32 ``[T, rotary_dim/2]``; slot_mapping int64
-        ``[T]`` (-1 = padding). Returns the o_proj output ``[T, H]``."""
+        """x: normed hidden ``[T, H]``; rope: this step's positions and cos/sin; slot_mapping
+        int64 ``[T]`` (-1 = padding). Returns the o_proj output ``[T, H]``."""
+        if self.fused:
+            return self._forward_fused(x, rope, slot_mapping, cache, backend)
         t = x.shape[0]
+        cos, sin = rope.cos, rope.sin
         parts = self.qkv_proj(x).split(self.split, dim=-1)
         q = apply_rope(self.q_norm(parts[0].view(t, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rope(self.k_norm(parts[1].view(t, self.num_kv_heads, self.head_dim)), cos, sin)
@@ -64,13 +90,43 @@ class M3Attention(nn.Module):
             backend.dense(self.layer, q, out)
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
+    def _forward_fused(self, x: torch.Tensor, rope: "RopeInputs", slot_mapping: torch.Tensor,
+                       cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
+        from attention.cache_write_triton import norm_rope_cache_write
+
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        iq = torch.empty(t, self.num_index_heads, self.index_dim, dtype=x.dtype, device=x.device) if self.sparse else None
+        index = dict(index_q_norm=self.index_q_norm.weight, index_k_norm=self.index_k_norm.weight,
+                     index_k_cache=cache.index_k_cache[cache.sparse_index(self.layer)], iq_out=iq) if self.sparse else {}
+        norm_rope_cache_write(qkv, rope.positions, slot_mapping, self.layout, rope.inv_freq, self.q_norm.weight,
+                              self.k_norm.weight, cache.k_cache[self.layer], cache.v_cache[self.layer], q_out=q, **index)
+        out = torch.zeros_like(q)
+        if self.sparse:
+            backend.sparse(self.layer, q, iq, out)
+        else:
+            backend.dense(self.layer, q, out)
+        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+
+
+class RopeInputs(NamedTuple):
+    """One step's rotary inputs, shared by every layer: positions ``int64 [T]``, the fp32
+    ``inv_freq [rotary_dim/2]`` table and ``cos``/``sin`` fp32 ``[T, rotary_dim/2]`` (``None``
+    with the fused producer, which rotates in-kernel)."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
 
 class M3DecoderLayer(nn.Module):
     def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None,
-                 moe_impl: str = "auto") -> None:
+                 moe_impl: str = "auto", producer: str = "torch") -> None:
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = M3Attention(c, layer, dtype, device)
+        self.self_attn = M3Attention(c, layer, dtype, device, producer)
         self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.is_moe = c.is_moe(layer)
         if self.is_moe:
@@ -82,20 +138,22 @@ class M3DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: RopeInputs, slot_mapping: torch.Tensor,
                 cache: PagedKVCache, backend: AttentionBackend, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
         """x: residual stream ``[T, H]`` -> ``[T, H]``."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slot_mapping, cache, backend)
+        x = x + self.self_attn(self.input_layernorm(x), rope, slot_mapping, cache, backend)
         b = self.post_attention_layernorm(x)
         return x + (self.block_sparse_moe(b, num_real_tokens) if self.is_moe else self.mlp(b))
 
 
 class M3Model(nn.Module):
     def __init__(self, c: MiniMaxM3Config, dtype: torch.dtype, device: torch.device | str | None,
-                 moe_impl: str = "auto") -> None:
+                 moe_impl: str = "auto", producer: str = "torch") -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(M3DecoderLayer(c, i, dtype, device, moe_impl) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            M3DecoderLayer(c, i, dtype, device, moe_impl, producer) for i in range(c.num_hidden_layers)
+        )
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
 
 
@@ -110,15 +168,17 @@ class MiniMaxM3ForCausalLM(nn.Module):
         device: where parameters live. Parameters are uninitialised: load a checkpoint
             (``weights.load_checkpoint``) or call ``init_random_``.
         moe_impl: ``auto``, ``grouped`` or ``loop`` (see ``layers.BlockSparseMoE``).
+        producer: ``auto``, ``torch`` or ``triton`` (see ``resolve_producer``).
     """
 
     def __init__(self, config: MiniMaxM3Config, cache: PagedKVCache | None = None,
                  backend: AttentionBackend | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, moe_impl: str = "auto") -> None:
+                 device: torch.device | str | None = None, moe_impl: str = "auto", producer: str = "auto") -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype or config.torch_dtype
-        self.model = M3Model(config, self.dtype, device, moe_impl)
+        self.producer = resolve_producer(producer, device)
+        self.model = M3Model(config, self.dtype, device, moe_impl, self.producer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype, device=device)
         self.requires_grad_(False)  # inference only: no autograd graph through the forward
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rotary_dim, config.rope_theta, device),
@@ -167,10 +227,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
         cache, backend = self.cache, self.backend
         if cache is None or backend is None:
             raise RuntimeError("attach(cache, backend) before running the forward")
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq)
+        # The fused producer rotates in-kernel from positions; only the torch path needs cos/sin.
+        cos_sin = rope_cos_sin(positions, self.rope_inv_freq) if self.producer == "torch" else (None, None)
+        rope = RopeInputs(positions, self.rope_inv_freq, *cos_sin)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, slot_mapping, cache, backend, num_real_tokens)
+            x = layer(x, rope, slot_mapping, cache, backend, num_real_tokens)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -185,11 +185,12 @@ def _build(model: MiniMaxM3ForCausalLM, device: torch.device | str, backend: str
 
 def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       *, seed: int = 0, backend: str = "torch", max_tokens: int = 512, max_seqs: int = 8,
-                      max_seq_len: int = 4096, num_pages: int | None = None, moe_impl: str = "auto") -> M3Runner:
+                      max_seq_len: int = 4096, num_pages: int | None = None, moe_impl: str = "auto",
+                      producer: str = "auto") -> M3Runner:
     """A runner over a preset (``tiny``, ``slice``, ``rank_of_8``, ``real``) or a config, with
     random weights (``init_random_(seed)``)."""
     config = name if isinstance(name, MiniMaxM3Config) else MiniMaxM3Config.preset(name)
-    model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl)
+    model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl, producer=producer)
     model.init_random_(seed)
     return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages)
 
@@ -197,12 +198,12 @@ def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = 
 def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                           *, num_layers: int | None = None, backend: str = "torch", max_tokens: int = 512,
                           max_seqs: int = 8, max_seq_len: int = 4096, num_pages: int | None = None,
-                          moe_impl: str = "auto") -> M3Runner:
+                          moe_impl: str = "auto", producer: str = "auto") -> M3Runner:
     """A runner over a checkpoint folder; ``num_layers`` keeps only the first layers."""
     config = MiniMaxM3Config.from_hf(folder)
     truncate = num_layers is not None and num_layers != config.num_hidden_layers
     if truncate:
         config = config.first_layers(num_layers)  # type: ignore[arg-type]
-    model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl)
+    model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl, producer=producer)
     load_checkpoint(model, folder, truncate_layers=truncate)
     return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages)
