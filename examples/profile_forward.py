@@ -75,6 +75,9 @@ def main() -> None:
     graphs = CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=not cuda)
     eager = GraphedM3Runner(runner, CaptureConfig(enabled=False, max_tokens=ceiling))
     graphed = GraphedM3Runner(runner, graphs)
+    # Eager through the same padded segment/splice path: the same kernels at the same shapes
+    # as the replay, so graph vs this is the graph's own error.
+    padded = GraphedM3Runner(runner, CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=True))
     console = Console(width=None if sys.stdout.isatty() else 130)
     console.print(f"MiniMax-M3 {args.preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                   f"{config.num_attention_heads} q / {config.num_key_value_heads} kv heads, {config.num_local_experts} "
@@ -98,18 +101,25 @@ def main() -> None:
     rows = []
     for name, chunks in steps.items():
         ref = eager.step(chunks, all_logits=True).logits
+        same_shapes = padded.step(chunks, all_logits=True).logits
         out = graphed.step(chunks, all_logits=True).logits
-        err = relative_error(out.float(), ref.float())
+        err = relative_error(out.float(), same_shapes.float())
+        err_unpadded = relative_error(out.float(), ref.float())
         e_ms = timed(lambda: eager.step(chunks), args.iters, cuda)
         g_ms = timed(lambda: graphed.step(chunks), args.iters, cuda)
-        rows.append(dict(step=name, tokens=out.shape[0], eager_ms=e_ms, graphcap_ms=g_ms, speedup=e_ms / g_ms, rel_err=err))
+        rows.append(dict(step=name, tokens=out.shape[0], eager_ms=e_ms, graphcap_ms=g_ms, speedup=e_ms / g_ms,
+                         rel_err=err, rel_err_vs_unpadded=err_unpadded))
 
     table = Table(title=f"step time (median of {args.iters}, wall clock incl. plan and sampling)")
-    for col in ("step", "tokens", "eager ms", "graphcap ms", "speedup", "logits rel err"):
+    for col in ("step", "tokens", "eager ms", "graphcap ms", "speedup", "err vs padded eager", "err vs unpadded eager"):
         table.add_column(col, justify="left" if col == "step" else "right")
     for r in rows:
-        table.add_row(r["step"], str(r["tokens"]), f"{r['eager_ms']:.2f}", f"{r['graphcap_ms']:.2f}", f"{r['speedup']:.2f}x", f"{r['rel_err']:.1e}")
+        table.add_row(r["step"], str(r["tokens"]), f"{r['eager_ms']:.2f}", f"{r['graphcap_ms']:.2f}", f"{r['speedup']:.2f}x",
+                      f"{r['rel_err']:.1e}", f"{r['rel_err_vs_unpadded']:.1e}")
     console.print(table)
+    console.print("[dim]err vs padded eager: replay against the same kernels run eagerly at the bucket's shapes. "
+                  "err vs unpadded eager also includes rounding differences of other GEMM shapes, which the "
+                  "sparse top-k can amplify by flipping near-tied blocks.[/dim]")
     console.print(stats_table(graphed.manager))
     coverage = {}
     for name in (f"decode {max(sizes)}", list(steps)[-1]):
@@ -130,7 +140,7 @@ def main() -> None:
     worst = max(r["rel_err"] for r in rows)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     if worst > tol:
-        raise SystemExit(f"graphed logits differ from eager (relative error {worst:.2e} > {tol})")
+        raise SystemExit(f"graphed logits differ from eager at the same shapes (relative error {worst:.2e} > {tol})")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ class Coverage:
     eager: int = 0
     eager_us: float = 0.0
     eager_by_site: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    eager_us_by_site: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
 
     @property
     def fraction_in_graphs(self) -> float:
@@ -51,6 +52,7 @@ class Coverage:
             "eager_us": round(self.eager_us, 2),
             "fraction_in_graphs": round(self.fraction_in_graphs, 4),
             "eager_by_site": {k: dict(v) for k, v in self.eager_by_site.items()},
+            "eager_us_by_site": {k: {n: round(t, 2) for n, t in v.items()} for k, v in self.eager_us_by_site.items()},
         }
 
 
@@ -86,7 +88,11 @@ def measure_coverage(manager: Any, step: Step) -> Coverage:
     )
     cov = Coverage(unit="kernels" if cuda else "aten ops")
     if cuda:
-        launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+        launches = {
+            e["args"]["correlation"]: e
+            for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        }
         for k in (e for e in events if e.get("cat") == "kernel"):
             launch = launches.get(k["args"].get("correlation"))
             if launch is not None and launch["name"] == _GRAPH_LAUNCH:
@@ -95,7 +101,9 @@ def measure_coverage(manager: Any, step: Step) -> Coverage:
             else:
                 cov.eager += 1
                 cov.eager_us += k["dur"]
-                cov.eager_by_site[_site(launch["ts"], ranges) if launch else "unknown launch"][k["name"][:80]] += 1
+                site, name = _site(launch["ts"], ranges) if launch else "unknown launch", k["name"][:80]
+                cov.eager_by_site[site][name] += 1
+                cov.eager_us_by_site[site][name] += k["dur"]
     else:
         for op in (e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")):
             site = _site(op["ts"], ranges)
@@ -106,6 +114,7 @@ def measure_coverage(manager: Any, step: Step) -> Coverage:
                 cov.eager += 1
                 cov.eager_us += op["dur"]
                 cov.eager_by_site[site][op["name"]] += 1
+                cov.eager_us_by_site[site][op["name"]] += op["dur"]
     return cov
 
 
@@ -138,8 +147,9 @@ def coverage_table(cov: Coverage, per_site: int = 8) -> Table:
     table.add_row("inside graphs" if cov.unit == "kernels" else "producer segments", str(cov.in_graphs), f"{cov.in_graphs_us:.1f}")
     table.add_row("eager", str(cov.eager), f"{cov.eager_us:.1f}")
     for site, names in sorted(cov.eager_by_site.items()):
+        times = cov.eager_us_by_site[site]
         for name, count in names.most_common(per_site):
-            table.add_row(f"  {site}: {name}", str(count), "")
+            table.add_row(f"  {site}: {name}", str(count), f"{times[name]:.1f}")
         if len(names) > per_site:
             rest = sum(names.values()) - sum(c for _, c in names.most_common(per_site))
             table.add_row(f"  {site}: {len(names) - per_site} more names", str(rest), "")

@@ -226,17 +226,21 @@ def test_out_of_pages_reserves_nothing(ckpt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_cpu(ckpt, dtype):
     """Same steps on CUDA (fp32: loop MoE; bf16: grouped MoE) track the CPU fp32 model."""
-    ids = prompt(30, 13)
+    # bf16 over 12 tokens: sparse == dense there (12 <= topk * block), so the comparison measures
+    # rounding. Past that, bf16 rounding flips near-tied top-k blocks of the tiny preset (block
+    # 4, topk 3) and single rows move far; fp32 covers the selecting lengths exactly.
+    n = 30 if dtype == torch.float32 else 12
+    ids = prompt(n, 13)
     full = full_logits(ckpt, ids)
     r = runner(ckpt, dtype=dtype, device="cuda")
     r.add_request("s")
-    got = torch.cat([r.step([TokenChunk("s", 0, ids[:26])], all_logits=True).logits,
-                     *(r.step([TokenChunk("s", p, [ids[p]])]).logits for p in range(26, 30))]).float().cpu()
+    got = torch.cat([r.step([TokenChunk("s", 0, ids[:n - 4])], all_logits=True).logits,
+                     *(r.step([TokenChunk("s", p, [ids[p]])]).logits for p in range(n - 4, n))]).float().cpu()
     cos = torch.nn.functional.cosine_similarity(got, full, dim=-1)
     if dtype == torch.float32:
         torch.testing.assert_close(got, full, atol=1e-3, rtol=1e-3)
     else:
-        assert (cos > 0.99).float().mean() > 0.9 and cos.min() > 0.5, cos
+        assert cos.min() > 0.99, cos
 
 
 def test_build_from_preset_and_truncated_checkpoint(ckpt):
