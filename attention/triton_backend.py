@@ -62,8 +62,11 @@ class TritonAttention(AttentionBackend):
             sparse_attention_decode(q, kc, vc, topk, meta, out, self.scale)
         else:
             topk = self.topk_buf[:, : meta.num_tokens]
-            index_topk_prefill(iq, ik, meta, self.topk, topk)
-            sparse_attention_prefill(q, kc, vc, topk, meta, out, self.scale)
+            # Token tiles share loaded tiles only within one sequence; in a batch of several
+            # requests a tile would walk unrelated pages serially, so run one token per program.
+            bt = None if meta.num_seqs == 1 else 1
+            index_topk_prefill(iq, ik, meta, self.topk, topk, block_t=bt)
+            sparse_attention_prefill(q, kc, vc, topk, meta, out, self.scale, block_t=bt)
 
     @splice("attention.dense", graph_safe_decode=True)
     def dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:

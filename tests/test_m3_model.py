@@ -228,11 +228,14 @@ def test_cuda_matches_cpu(ckpt, dtype):
     """Same steps on CUDA (fp32: loop MoE; bf16: grouped MoE) track the CPU fp32 model."""
     # bf16 over 12 tokens: sparse == dense there (12 <= topk * block), so the comparison measures
     # rounding. Past that, bf16 rounding flips near-tied top-k blocks of the tiny preset (block
-    # 4, topk 3) and single rows move far; fp32 covers the selecting lengths exactly.
+    # 4, topk 3) and single rows move far; fp32 covers the selecting lengths exactly. bf16 runs
+    # the GPU configuration (fused producer + Triton attention): any change of rounding, such
+    # as the fused producer feeding the torch reference backend, can still flip a near-tied
+    # top-2 expert choice of the tiny MoE on a row (seen on an H200: one row at cos 0.955).
     n = 30 if dtype == torch.float32 else 12
     ids = prompt(n, 13)
     full = full_logits(ckpt, ids)
-    r = runner(ckpt, dtype=dtype, device="cuda")
+    r = runner(ckpt, dtype=dtype, device="cuda", backend="torch" if dtype == torch.float32 else "triton")
     r.add_request("s")
     got = torch.cat([r.step([TokenChunk("s", 0, ids[:n - 4])], all_logits=True).logits,
                      *(r.step([TokenChunk("s", p, [ids[p]])]).logits for p in range(n - 4, n))]).float().cpu()
