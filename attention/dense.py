@@ -84,14 +84,10 @@ def dense_attention_ref(
     """
     check_heads(q, k_cache_l, out, meta.num_tokens)
     acc = acc_dtype(q.dtype)
-    indptr = meta.qo_indptr_host.tolist()
-    lens = meta.kv_lens_host.tolist()
-    rows = meta.seq_slots_host.tolist()
-    for b in range(meta.num_seqs):
-        q0, q1, length = indptr[b], indptr[b + 1], lens[b]
+    for q0, q1, length, row in meta.requests():
         n = q1 - q0
-        k = paged_gather(k_cache_l, meta.block_tables, rows[b], length).to(acc)
-        v = paged_gather(v_cache_l, meta.block_tables, rows[b], length).to(acc)
+        k = paged_gather(k_cache_l, meta.block_tables, row, length).to(acc)
+        v = paged_gather(v_cache_l, meta.block_tables, row, length).to(acc)
         pos = torch.arange(length - n, length, device=q.device)
         allowed = (torch.arange(length, device=q.device)[None, :] <= pos[:, None])[None]
         out[q0:q1] = attend(q[q0:q1].to(acc), k, v, allowed, scale).to(out.dtype)

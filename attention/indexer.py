@@ -86,12 +86,8 @@ def index_topk_ref(
     if out.shape[0] != iq.shape[1] or out.shape[2] != topk or out.shape[1] < meta.num_tokens:
         raise ValueError(f"out must be [Hkv={iq.shape[1]}, >= {meta.num_tokens}, topk={topk}], got {tuple(out.shape)}")
     acc = acc_dtype(iq.dtype)
-    indptr = meta.qo_indptr_host.tolist()
-    lens = meta.kv_lens_host.tolist()
-    rows = meta.seq_slots_host.tolist()
-    for b in range(meta.num_seqs):
-        q0, q1, length = indptr[b], indptr[b + 1], lens[b]
-        ik = paged_gather(index_k_l, meta.block_tables, rows[b], length).to(acc)
+    for q0, q1, length, row in meta.requests():
+        ik = paged_gather(index_k_l, meta.block_tables, row, length).to(acc)
         pos = torch.arange(length - (q1 - q0), length, device=iq.device)
         scores = block_scores(iq[q0:q1].to(acc), ik, pos, block_size)
         out[:, q0:q1] = select_blocks(scores, pos, topk, block_size).to(out.dtype)

@@ -14,7 +14,7 @@ slots, never a walk over the prompt's page list.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 import torch
 
@@ -92,6 +92,12 @@ class AttentionMetadata:
     seq_slots_host: torch.Tensor
     buffers: MetadataBuffers
     pad_seq_row: int
+
+    def requests(self) -> Iterator[tuple[int, int, int, int]]:
+        """The real requests on the host: ``(first token, end token, kv_len, block-table row)``
+        each, in batch order (for reference maths and planners)."""
+        return zip(self.qo_indptr_host[:-1].tolist(), self.qo_indptr_host[1:].tolist(),
+                   self.kv_lens_host.tolist(), self.seq_slots_host.tolist())
 
     def pad_to(self, num_tokens: int, num_seqs: int | None = None) -> "AttentionMetadata":
         """Views with ``num_tokens`` token rows and ``num_seqs`` request rows (default: the

@@ -59,13 +59,9 @@ def sparse_attention_ref(
     if topk_idx.shape[0] != k_cache_l.shape[2] or topk_idx.shape[1] < meta.num_tokens:
         raise ValueError(f"topk_idx must be [Hkv={k_cache_l.shape[2]}, >= {meta.num_tokens}, topk], got {tuple(topk_idx.shape)}")
     acc = acc_dtype(q.dtype)
-    indptr = meta.qo_indptr_host.tolist()
-    lens = meta.kv_lens_host.tolist()
-    rows = meta.seq_slots_host.tolist()
-    for b in range(meta.num_seqs):
-        q0, q1, length = indptr[b], indptr[b + 1], lens[b]
-        k = paged_gather(k_cache_l, meta.block_tables, rows[b], length).to(acc)
-        v = paged_gather(v_cache_l, meta.block_tables, rows[b], length).to(acc)
+    for q0, q1, length, row in meta.requests():
+        k = paged_gather(k_cache_l, meta.block_tables, row, length).to(acc)
+        v = paged_gather(v_cache_l, meta.block_tables, row, length).to(acc)
         pos = torch.arange(length - (q1 - q0), length, device=q.device)
         allowed = selected_token_mask(topk_idx[:, q0:q1], pos, length, block_size)
         out[q0:q1] = attend(q[q0:q1].to(acc), k, v, allowed, scale).to(out.dtype)
