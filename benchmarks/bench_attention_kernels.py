@@ -264,7 +264,6 @@ def bench_dense_decode(dims, ctx, batch, timer, device) -> list[Row]:
     byts = batch * ctx * d.num_kv_heads * d.head_dim * 4
     row = Row("dense_attn decode (fallback)", ctx, batch, timer(fn), byts, 4 * batch * d.num_qo_heads * ctx * d.head_dim,
               timer.graph(fn))
-    del cache
     return [row.finish()]
 
 

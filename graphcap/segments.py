@@ -16,7 +16,7 @@ import contextlib
 import gc
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphcap import CaptureConfig, CaptureManager, CaptureViolation, Step, current_step, splice
+from graphcap import CaptureConfig, CaptureManager, CaptureViolation, current_step, splice
 from graphcap.splice import step_context
 from toy_transformer import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphcap import CaptureConfig, CaptureManager, CaptureViolation, Step, splice
+from graphcap import CaptureConfig, CaptureManager, CaptureViolation, splice
 from graphcap.validation import relative_error
 from toy_transformer import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
 
@@ -39,7 +39,7 @@ def random_step(g, decode):
         n = int(torch.randint(1, CFG.max_seqs + 1, (1,), generator=g))
         seqs = torch.randperm(CFG.max_seqs, generator=g)[:n].tolist()
         return make_step(CFG, [(s, int(torch.randint(1, CFG.max_len - 1, (1,), generator=g)), 1) for s in seqs], g)
-    chunks, total = [], 0
+    chunks = []
     for s in torch.randperm(CFG.max_seqs, generator=g)[:3].tolist():
         n = int(torch.randint(1, 20, (1,), generator=g))
         chunks.append((s, int(torch.randint(0, CFG.max_len - n, (1,), generator=g)), n))
