@@ -70,6 +70,7 @@ def test_captured_steps_equal_eager_steps_on_gpu(backend):
     runner, graphed, eager = make_pair("cuda", torch.bfloat16, backend, preset="rank_of_8", layers=4)
     graphed.capture()
     assert graphed.validate() == {}
+    assert not runner.has_dummies
     stats = drive(runner, graphed, eager, tol=2e-2)
     whole = [s for (b, full), s in stats.buckets.items() if full]
     if backend == "torch":  # host loops: no whole decode graph may pass through them
@@ -99,3 +100,15 @@ def test_fused_triton_producer_matches_torch_producer():
 def test_unknown_producer_is_rejected():
     with pytest.raises(ValueError, match="producer"):
         build_from_preset("tiny", "cpu", torch.float32, producer="cuda-magic")
+
+
+def test_dummy_sequences_never_outlive_a_step():
+    """Warm-up, capture and validation run on private dummy sequences; none stay in the cache."""
+    runner, graphed, eager = make_pair("cpu", torch.float32, "torch", debug=True)
+    free_pages = runner.cache.num_free_pages
+    graphed.capture()
+    graphed.validate()
+    assert not runner.has_dummies and runner.cache.num_free_pages == free_pages
+    runner.add_request("r")
+    graphed.step([TokenChunk("r", 0, [1, 2, 3])])
+    assert not runner.has_dummies

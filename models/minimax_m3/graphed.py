@@ -92,6 +92,8 @@ class GraphedM3Runner:
         """One step: build metadata, replay (or run eagerly), sample greedily per chunk."""
         step = self.runner.make_step(chunks)
         logits = self.manager.run(step)
+        if self.runner.has_dummies:  # a recapture (registered storage moved) ran on dummy sequences
+            self.runner.release_dummies()
         last = (step.metadata.qo_indptr_host[1:].long() - 1).to(logits.device)
         rows = logits.index_select(0, last)
         return StepOutput(rows.argmax(-1).tolist(), logits.clone() if all_logits else rows)

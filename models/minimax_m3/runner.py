@@ -144,6 +144,11 @@ class M3Runner:
             chunks.append(TokenChunk(sid, 0, [0] * n))
         return self.make_step(chunks)
 
+    @property
+    def has_dummies(self) -> bool:
+        """Whether sequences made by ``dummy_step`` are still in the cache."""
+        return bool(self._dummies)
+
     def release_dummies(self) -> None:
         """Free the sequences ``dummy_step`` made."""
         for sid in self._dummies:
