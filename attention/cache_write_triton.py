@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from attention._triton_utils import check_device, next_pow2
+from attention.rope import rope_inv_freq
 
 Tensor = torch.Tensor
 
@@ -79,17 +80,6 @@ class QKVLayout:
     @property
     def ik_offset(self) -> int:
         return self.iq_offset + self.num_index_heads * self.index_dim
-
-
-def rope_inv_freq(theta: float, rotary_dim: int, device: torch.device | str = "cpu") -> Tensor:
-    """``inv_freq[i] = theta ** (-2i / rotary_dim)``, fp32 ``[rotary_dim // 2]``.
-
-    Both paths take this tensor rather than recomputing it, so the kernel's angle
-    ``fp32(pos) * inv_freq[i]`` rounds exactly like the torch path's (at positions near 1M an
-    ulp of difference in inv_freq would move the angle by ~0.1 rad).
-    """
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-    return (1.0 / (theta**exponent)).to(torch.float32).to(device)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from attention.rope import rope_inv_freq
 from models.minimax_m3.layers import (
-    BlockSparseMoE, DenseMLP, GemmaRMSNorm, apply_rope, route, rope_cos_sin, rope_inv_freq, swiglu_oai,
+    BlockSparseMoE, DenseMLP, GemmaRMSNorm, apply_rope, route, rope_cos_sin, swiglu_oai,
 )
 
 
@@ -52,7 +53,7 @@ def test_partial_neox_rope(heads, d, rd, theta):
     x = torch.randn(t, heads, d, generator=g)
     pos = torch.randint(0, 5000, (t,), generator=g)
     pos[0] = 0
-    cos, sin = rope_cos_sin(pos, rope_inv_freq(rd, theta))
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(theta, rd))
     assert cos.shape == (t, rd // 2) and cos.dtype == torch.float32
     out = apply_rope(x, cos, sin)
     # fp32 angles (as the model's trained tables) are off by ~pos * 6e-8 rad
@@ -68,7 +69,7 @@ def test_partial_neox_rope(heads, d, rd, theta):
 def test_rope_bf16_keeps_dtype():
     x = torch.randn(4, 2, 32, generator=gen(1)).bfloat16()
     pos = torch.arange(4)
-    out = apply_rope(x, *rope_cos_sin(pos, rope_inv_freq(16, 1e4)))
+    out = apply_rope(x, *rope_cos_sin(pos, rope_inv_freq(1e4, 16)))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), rope_ref(x.float(), pos, 16, 1e4), atol=3e-2, rtol=2e-2)
 

@@ -29,19 +29,12 @@ class GemmaRMSNorm(nn.Module):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
-    """``theta^(-2i/rotary_dim)`` for ``i < rotary_dim/2``: fp64 pow, then the fp32 table the
-    model was trained with. fp32 ``[rotary_dim // 2]``."""
-    exponent = torch.arange(rotary_dim // 2, dtype=torch.float64) * (2.0 / rotary_dim)
-    return (theta ** -exponent).float().to(device)
-
-
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of ``pos * inv_freq``, computed per step from the positions: a table over 1M
     positions would cost memory for nothing, and one outer product per forward is negligible.
 
     Args:
-        positions: int ``[T]``; inv_freq: fp32 ``[rotary_dim // 2]`` (``rope_inv_freq``).
+        positions: int ``[T]``; inv_freq: fp32 ``[rotary_dim // 2]`` (``attention.rope.rope_inv_freq``).
     Returns:
         cos, sin: fp32 ``[T, rotary_dim // 2]``.
     """

@@ -21,9 +21,10 @@ from torch import nn
 
 from attention.backend import AttentionBackend
 from attention.kv_cache import PagedKVCache
+from attention.rope import rope_inv_freq
 
 from .config import MiniMaxM3Config
-from .layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm, apply_rope, rope_cos_sin
 
 
 def resolve_producer(producer: str, device: torch.device | str | None) -> str:
@@ -181,7 +182,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.model = M3Model(config, self.dtype, device, moe_impl, self.producer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype, device=device)
         self.requires_grad_(False)  # inference only: no autograd graph through the forward
-        self.register_buffer("rope_inv_freq", rope_inv_freq(config.rotary_dim, config.rope_theta, device),
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope_theta, config.rotary_dim, device),
                              persistent=False)
         self.cache: PagedKVCache | None = None
         self.backend: AttentionBackend | None = None
