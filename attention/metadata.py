@@ -48,6 +48,17 @@ class MetadataBuffers:
     positions: torch.Tensor  # int64 [max_tokens]
     slot_mapping: torch.Tensor  # int64 [max_tokens]
 
+    def views(self, num_tokens: int, num_seqs: int) -> dict[str, torch.Tensor]:
+        """The first ``num_tokens`` token rows and ``num_seqs`` request rows of every buffer."""
+        return dict(
+            qo_indptr=self.qo_indptr[: num_seqs + 1],
+            kv_lens=self.kv_lens[:num_seqs],
+            seq_slots=self.seq_slots[:num_seqs],
+            token_seq=self.token_seq[:num_tokens],
+            positions=self.positions[:num_tokens],
+            slot_mapping=self.slot_mapping[:num_tokens],
+        )
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -109,15 +120,7 @@ class AttentionMetadata:
             raise ValueError(f"pad_to({num_tokens}) must lie in [{self.num_tokens}, {b.positions.shape[0]}]")
         if not self.num_seqs <= num_seqs <= b.kv_lens.shape[0]:
             raise ValueError(f"pad_to num_seqs={num_seqs} must lie in [{self.num_seqs}, {b.kv_lens.shape[0]}]")
-        return replace(
-            self,
-            qo_indptr=b.qo_indptr[: num_seqs + 1],
-            kv_lens=b.kv_lens[:num_seqs],
-            seq_slots=b.seq_slots[:num_seqs],
-            token_seq=b.token_seq[:num_tokens],
-            positions=b.positions[:num_tokens],
-            slot_mapping=b.slot_mapping[:num_tokens],
-        )
+        return replace(self, **b.views(num_tokens, num_seqs))
 
 
 class MetadataBuilder:
@@ -240,12 +243,7 @@ class MetadataBuilder:
             uniform_decode=all(q == 1 for q in q_lens),
             max_q_len=max(q_lens),
             max_kv_len=max(kv_lens),
-            qo_indptr=buf.qo_indptr[: nb + 1],
-            kv_lens=buf.kv_lens[:nb],
-            seq_slots=buf.seq_slots[:nb],
-            token_seq=buf.token_seq[:total],
-            positions=buf.positions[:total],
-            slot_mapping=buf.slot_mapping[:total],
+            **buf.views(total, nb),
             block_tables=cache.block_tables,
             page_size=cache.page_size,
             qo_indptr_host=torch.tensor(indptr, dtype=torch.int32),
