@@ -1,16 +1,6 @@
-"""Attention for graphcap models: paged caches, step metadata, reference maths, backends."""
+"""Attention for graphcap models: step metadata, reference maths, Triton kernels, backends."""
 
-from .backend import AttentionBackend, TorchAttention, make_backend
-from .kv_cache import KVCacheConfig, PagedKVCache
+from .base import AttentionBackend, TorchAttention, make_backend
 from .metadata import AttentionMetadata, MetadataBuilder, RequestChunk
 
-__all__ = [
-    "AttentionBackend",
-    "AttentionMetadata",
-    "KVCacheConfig",
-    "MetadataBuilder",
-    "PagedKVCache",
-    "RequestChunk",
-    "TorchAttention",
-    "make_backend",
-]
+__all__ = ["AttentionBackend", "AttentionMetadata", "MetadataBuilder", "RequestChunk", "TorchAttention", "make_backend"]

@@ -18,7 +18,7 @@ from typing import Hashable, Iterator, Sequence
 
 import torch
 
-from .kv_cache import PagedKVCache
+from kvcache.paged import PagedKVCache
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class Timer:
 
 def make_cache(dims: Dims, seq_lens: list[int], capacity_tokens: int, device: str):
     """A one-layer sparse cache (random contents) with one sequence per entry of seq_lens."""
-    from attention.kv_cache import KVCacheConfig, PagedKVCache
+    from kvcache.paged import KVCacheConfig, PagedKVCache
 
     bs = dims.block
     pages = [-(-n // bs) for n in seq_lens]
@@ -142,11 +142,11 @@ def selected_keys(sel: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.
 
 
 def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]:
-    from attention.indexer import index_topk_ref
-    from attention.indexer_triton import index_topk_decode
+    from attention.reference.indexer import index_topk_ref
+    from attention.kernels.indexer import index_topk_decode
     from attention.metadata import MetadataBuilder, RequestChunk
-    from attention.sparse import sparse_attention_ref
-    from attention.sparse_triton import sparse_attention_decode
+    from attention.reference.sparse import sparse_attention_ref
+    from attention.kernels.sparse import sparse_attention_decode
 
     d = dims
     cache = make_cache(d, [ctx] * batch, capacity, device)
@@ -197,11 +197,11 @@ def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]
 
 
 def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
-    from attention.indexer import index_topk_ref
-    from attention.indexer_triton import index_topk_prefill
+    from attention.reference.indexer import index_topk_ref
+    from attention.kernels.indexer import index_topk_prefill
     from attention.metadata import MetadataBuilder, RequestChunk
-    from attention.sparse import sparse_attention_ref
-    from attention.sparse_triton import sparse_attention_prefill
+    from attention.reference.sparse import sparse_attention_ref
+    from attention.kernels.sparse import sparse_attention_prefill
 
     d = dims
     cache = make_cache(d, [ctx], ctx, device)
@@ -249,7 +249,7 @@ def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
 
 def bench_dense_decode(dims, ctx, batch, timer, device) -> list[Row]:
     from attention.metadata import MetadataBuilder, RequestChunk
-    from attention.sparse_triton import dense_attention_triton
+    from attention.kernels.sparse import dense_attention_triton
 
     d = dims
     cache = make_cache(d, [ctx] * batch, ctx, device)
@@ -268,7 +268,7 @@ def bench_dense_decode(dims, ctx, batch, timer, device) -> list[Row]:
 
 
 def bench_producer(dims, T, timer, device) -> list[Row]:
-    from attention.cache_write_triton import QKVLayout, norm_rope_cache_write, norm_rope_cache_write_torch, rope_inv_freq
+    from models.minimax_m3.kernels.producer import QKVLayout, norm_rope_cache_write, norm_rope_cache_write_torch, rope_inv_freq
 
     d = dims
     L = QKVLayout(d.num_qo_heads, d.num_kv_heads, d.head_dim, d.num_kv_heads, d.index_dim, d.rotary_dim)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from graphcap import CaptureConfig, CaptureManager  # noqa: E402
 from graphcap.report import measure_coverage  # noqa: E402
-from toy_transformer import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs  # noqa: E402
+from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs  # noqa: E402
 
 
 def time_steps(manager: CaptureManager, step, iters: int, warmup: int = 3) -> float:

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from attention.backend import BACKENDS, TorchAttention, make_backend
-from attention.dense import dense_attention_ref
-from attention.indexer import index_topk_ref
-from attention.kv_cache import KVCacheConfig, PagedKVCache
+from attention.base import BACKENDS, TorchAttention, make_backend
+from attention.reference.dense import dense_attention_ref
+from attention.reference.indexer import index_topk_ref
+from kvcache.paged import KVCacheConfig, PagedKVCache
 from attention.metadata import MetadataBuilder, RequestChunk
-from attention.sparse import sparse_attention_ref
+from attention.reference.sparse import sparse_attention_ref
 from graphcap.splice import Step, call_splice, step_context
 
 # (Hq, Hkv, D, Di, B, topk, [(context L, query tokens n), ...]); queries are the last n positions.

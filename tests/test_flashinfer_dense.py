@@ -17,10 +17,10 @@ import types
 import pytest
 import torch
 
-from attention.dense import dense_attention_ref
-from attention.dense_flashinfer import FlashinferDenseAttention, flashinfer_available, gather_page_indices, paged_kv_layout
-from attention.flashinfer_backend import FlashinferAttention
-from attention.kv_cache import KVCacheConfig, PagedKVCache
+from attention.reference.dense import dense_attention_ref
+from attention.backends.flashinfer_dense import FlashinferDenseAttention, flashinfer_available, gather_page_indices, paged_kv_layout
+from attention.backends.flashinfer import FlashinferAttention
+from kvcache.paged import KVCacheConfig, PagedKVCache
 from attention.metadata import MetadataBuilder, RequestChunk
 from graphcap.validation import relative_error
 

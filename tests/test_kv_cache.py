@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention.kv_cache import KVCacheConfig, PagedKVCache
+from kvcache.paged import KVCacheConfig, PagedKVCache
 
 BASE = dict(num_layers=3, sparse_layers=(1, 2), num_kv_heads=2, head_dim=8, index_dim=4, page_size=4,
             num_pages=12, max_seqs=3, max_pages_per_seq=5, dtype=torch.float32, index_dtype=torch.float32)
@@ -193,7 +193,7 @@ def test_error_paths():
 
 
 def test_reused_pages_never_leak_old_contents_into_attention():
-    from attention.dense import dense_attention_ref
+    from attention.reference.dense import dense_attention_ref
     from attention.metadata import MetadataBuilder, RequestChunk
 
     torch.manual_seed(3)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attention.backend import make_backend
-from attention.kv_cache import PagedKVCache
+from attention.base import make_backend
+from kvcache.paged import PagedKVCache
 from graphcap import CaptureConfig, CaptureManager, InputSpec, StaticInputs
 from graphcap.splice import call_splice, step_context
 from m3_reference import reference_logits

@@ -5,7 +5,7 @@ import torch
 
 from graphcap import CaptureConfig, CaptureManager, CaptureViolation, current_step, splice
 from graphcap.splice import step_context
-from toy_transformer import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
+from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
 
 CFG = ToyConfig(num_layers=2, hidden=32, num_heads=4, vocab=64, max_seqs=6, max_len=32, max_tokens=32)
 

@@ -5,7 +5,7 @@ import torch
 
 from graphcap import CaptureConfig, CaptureManager, CaptureViolation, splice
 from graphcap.validation import relative_error
-from toy_transformer import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
+from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
 
 pytestmark = pytest.mark.cuda
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from attention.kv_cache import KVCacheConfig, PagedKVCache
+from kvcache.paged import KVCacheConfig, PagedKVCache
 from attention.metadata import MetadataBuilder, RequestChunk
 
 

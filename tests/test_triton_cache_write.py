@@ -12,14 +12,14 @@ import math
 import os
 
 import pytest
-from triton_compile import run_compile_reports
+from helpers.triton_compile import run_compile_reports
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is decorated
 
-from attention import cache_write_triton as cw  # noqa: E402
-from attention.cache_write_triton import QKVLayout, norm_rope_cache_write_torch, rope_inv_freq  # noqa: E402
+from models.minimax_m3.kernels import producer as cw  # noqa: E402
+from models.minimax_m3.kernels.producer import QKVLayout, norm_rope_cache_write_torch, rope_inv_freq  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and type(cw._producer_kernel).__name__ != "InterpretedFunction":
@@ -160,7 +160,7 @@ def test_kernel_compiles_for_hopper():
     def producer(hq, hkv, d, hidx, di, rot):
         hb = max(2, min(16, 1 << (max(hq, hkv, hidx) - 1).bit_length()))
         c = dict(HQ=hq, HKV=hkv, D=d, HIDX=hidx, DI=di, ROT=rot, HB=hb, BLOCK_D=d, BLOCK_DI=di)
-        return ["attention.cache_write_triton", "_producer_kernel", c,
+        return ["models.minimax_m3.kernels.producer", "_producer_kernel", c,
                 dict(pos_ptr="i64", slot_ptr="i64", inv_freq_ptr="fp32"), ["eps"], 4, 1]
 
     run_compile_reports([producer(64, 4, 128, 4, 128, 64), producer(8, 1, 128, 1, 128, 64),

@@ -10,15 +10,15 @@ import importlib
 import os
 
 import pytest
-from triton_compile import run_compile_reports
+from helpers.triton_compile import run_compile_reports
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
-from attention import indexer_triton  # noqa: E402
-from attention.indexer import block_scores, index_topk_ref  # noqa: E402
-from attention.kv_cache import KVCacheConfig, PagedKVCache  # noqa: E402
+from attention.kernels import indexer as indexer_triton  # noqa: E402
+from attention.reference.indexer import block_scores, index_topk_ref  # noqa: E402
+from kvcache.paged import KVCacheConfig, PagedKVCache  # noqa: E402
 from attention.metadata import MetadataBuilder, RequestChunk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -180,11 +180,11 @@ def test_kernels_compile_for_hopper():
         bm = max(16, 1 << (bt * h - 1).bit_length())
         c = dict(HIDX=h, DI=di, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=di, CHUNK=chunk, KP=min(15, chunk), DOT_F32=f32)
         ptrs = dict(IDX_PTRS, **({"iq_ptr": "fp32", "ik_ptr": "fp32"} if f32 else {}))
-        return ["attention.indexer_triton", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8, 3]
+        return ["attention.kernels.indexer", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8, 3]
 
     merge = dict(HIDX=4, NCAND=4096, BLOCK_C=4096, TOPK=16, TOPK_PAD=16, CHUNK=64, KP=15)
     cases = [partial(1, 4, 4), partial(16, 4, 64), partial(1, 1, 64), partial(4, 2, 4, di=32, bn=16, f32=True),
-             ["attention.indexer_triton", "_merge_kernel", merge, IDX_PTRS, [], 4, 3]]
+             ["attention.kernels.indexer", "_merge_kernel", merge, IDX_PTRS, [], 4, 3]]
     reports = run_compile_reports(cases)
     assert reports[1]["wgmma"], "the 64-row prefill tile should use Hopper wgmma"
 
@@ -196,7 +196,7 @@ REAL = dict(hkv=4, di=128, bs=128, topk=16)
 
 def ref_scores(sc):
     """Reference block scores ``[H, T, nblk]`` of every real token (``-inf`` past its sequence)."""
-    from attention.dense import paged_gather
+    from attention.reference.dense import paged_gather
 
     m, bs = sc.meta, sc.cache.page_size
     nblk = -(-int(m.kv_lens_host.max()) // bs)

@@ -11,19 +11,19 @@ import importlib
 import os
 
 import pytest
-from triton_compile import run_compile_reports
+from helpers.triton_compile import run_compile_reports
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
-from attention import indexer_triton, sparse_triton, triton_backend  # noqa: E402
-from attention.backend import TorchAttention  # noqa: E402
-from attention.dense import dense_attention_ref  # noqa: E402
-from attention.indexer import index_topk_ref  # noqa: E402
-from attention.kv_cache import KVCacheConfig, PagedKVCache  # noqa: E402
+from attention.kernels import indexer as indexer_triton, sparse as sparse_triton; from attention.backends import triton as triton_backend  # noqa: E402
+from attention.base import TorchAttention  # noqa: E402
+from attention.reference.dense import dense_attention_ref  # noqa: E402
+from attention.reference.indexer import index_topk_ref  # noqa: E402
+from kvcache.paged import KVCacheConfig, PagedKVCache  # noqa: E402
 from attention.metadata import MetadataBuilder, RequestChunk  # noqa: E402
-from attention.sparse import sparse_attention_ref  # noqa: E402
+from attention.reference.sparse import sparse_attention_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and type(sparse_triton._attn_kernel).__name__ != "InterpretedFunction":
@@ -245,11 +245,11 @@ def test_kernels_compile_for_hopper():
         c = dict(G=g, D=d, TOPK=16, K_PAD=16, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, NSPLIT=nsplit, DENSE=dense,
                  DOT_F32=f32)
         ptrs = dict(ATTN_PTRS, **({"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "out_ptr": "fp32"} if f32 else {}))
-        return ["attention.sparse_triton", "_attn_kernel", c, ptrs, ["qk_scale"], 4 if bm <= 64 else 8, 2]
+        return ["attention.kernels.sparse", "_attn_kernel", c, ptrs, ["qk_scale"], 4 if bm <= 64 else 8, 2]
 
     merge = dict(G=16, D=128, G_PAD=16, BLOCK_D=128, NSPLIT=16)
     cases = [attn(1, 16, 16), attn(4, 16, 1), attn(8, 8, 1), attn(1, 16, 8, dense=True),
-             attn(4, 2, 1, d=32, bn=16, f32=True), ["attention.sparse_triton", "_merge_kernel", merge, ATTN_PTRS, [], 4, 3]]
+             attn(4, 2, 1, d=32, bn=16, f32=True), ["attention.kernels.sparse", "_merge_kernel", merge, ATTN_PTRS, [], 4, 3]]
     reports = run_compile_reports(cases)
     assert reports[1]["wgmma"], "the 64-row prefill tile should use Hopper wgmma"
 

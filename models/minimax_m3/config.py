@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from attention.kv_cache import KVCacheConfig
+from kvcache.paged import KVCacheConfig
 
 from .hf_config import read_config_json, translate_hf
 

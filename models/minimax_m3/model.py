@@ -19,8 +19,8 @@ from typing import Mapping, NamedTuple
 import torch
 from torch import nn
 
-from attention.backend import AttentionBackend
-from attention.kv_cache import PagedKVCache
+from attention.base import AttentionBackend
+from kvcache.paged import PagedKVCache
 from attention.rope import rope_inv_freq
 
 from .config import MiniMaxM3Config
@@ -61,7 +61,7 @@ class M3Attention(nn.Module):
             self.index_k_norm = GemmaRMSNorm(c.sparse_index_dim, c.rms_norm_eps, dtype, device)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, dtype=dtype, device=device)
         if self.fused:
-            from attention.cache_write_triton import QKVLayout
+            from models.minimax_m3.kernels.producer import QKVLayout
 
             self.layout = QKVLayout(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                     c.sparse_num_index_heads if self.sparse else 0,
@@ -93,7 +93,7 @@ class M3Attention(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor, rope: "RopeInputs", slot_mapping: torch.Tensor,
                        cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
-        from attention.cache_write_triton import norm_rope_cache_write
+        from models.minimax_m3.kernels.producer import norm_rope_cache_write
 
         t = x.shape[0]
         qkv = self.qkv_proj(x)

@@ -24,8 +24,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from attention.backend import AttentionBackend, make_backend
-from attention.kv_cache import PagedKVCache
+from attention.base import AttentionBackend, make_backend
+from kvcache.paged import PagedKVCache
 from attention.metadata import MetadataBuilder, RequestChunk
 from graphcap.splice import Step
 

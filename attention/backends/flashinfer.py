@@ -18,10 +18,10 @@ import torch
 
 from graphcap.splice import splice
 
-from .backend import AttentionBackend, TorchAttention
-from .dense_flashinfer import FlashinferDenseAttention, import_flashinfer
-from .kv_cache import PagedKVCache
-from .metadata import AttentionMetadata
+from attention.base import AttentionBackend, TorchAttention
+from attention.backends.flashinfer_dense import FlashinferDenseAttention, import_flashinfer
+from kvcache.paged import PagedKVCache
+from attention.metadata import AttentionMetadata
 
 
 def _sparse_backend(cache: PagedKVCache, dims: dict) -> AttentionBackend:

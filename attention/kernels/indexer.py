@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention._triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
+from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
 from attention.metadata import AttentionMetadata
 
 Tensor = torch.Tensor

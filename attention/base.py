@@ -18,17 +18,17 @@ import torch
 
 from graphcap.splice import splice
 
-from .dense import dense_attention_ref
-from .indexer import index_topk_ref
-from .kv_cache import PagedKVCache
-from .metadata import AttentionMetadata
-from .sparse import sparse_attention_ref
+from attention.reference.dense import dense_attention_ref
+from attention.reference.indexer import index_topk_ref
+from kvcache.paged import PagedKVCache
+from attention.metadata import AttentionMetadata
+from attention.reference.sparse import sparse_attention_ref
 
 # kind -> "module:Class". The registration point for other backends.
 BACKENDS: dict[str, str] = {
-    "torch": "attention.backend:TorchAttention",
-    "triton": "attention.triton_backend:TritonAttention",
-    "flashinfer": "attention.flashinfer_backend:FlashinferAttention",
+    "torch": "attention.base:TorchAttention",
+    "triton": "attention.backends.triton:TritonAttention",
+    "flashinfer": "attention.backends.flashinfer:FlashinferAttention",
 }
 # What "auto" tries, in order, before falling back to "torch".
 AUTO_ORDER: tuple[str, ...] = ("flashinfer", "triton")

@@ -37,8 +37,8 @@ import torch
 
 from graphcap.buckets import default_buckets
 
-from .kv_cache import PagedKVCache
-from .metadata import AttentionMetadata
+from kvcache.paged import PagedKVCache
+from attention.metadata import AttentionMetadata
 
 _INSTALL_HINT = "install it with the 'cuda' extra: pip install 'graphcap[cuda]' (package flashinfer-python)"
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention._triton_utils import check_device, next_pow2
+from attention.kernels.triton_utils import check_device, next_pow2
 from attention.rope import rope_inv_freq
 
 Tensor = torch.Tensor

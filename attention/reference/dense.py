@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import AttentionMetadata
+from attention.metadata import AttentionMetadata
 
 
 def paged_gather(cache_l: torch.Tensor, block_tables: torch.Tensor, seq_slot: int, length: int) -> torch.Tensor:

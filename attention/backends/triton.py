@@ -18,9 +18,9 @@ import torch
 
 from graphcap.splice import splice
 
-from .backend import AttentionBackend
-from .indexer_triton import index_topk_decode, index_topk_prefill
-from .sparse_triton import dense_attention_triton, sparse_attention_decode, sparse_attention_prefill
+from attention.base import AttentionBackend
+from attention.kernels.indexer import index_topk_decode, index_topk_prefill
+from attention.kernels.sparse import dense_attention_triton, sparse_attention_decode, sparse_attention_prefill
 
 
 class TritonAttention(AttentionBackend):

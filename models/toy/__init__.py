@@ -1,0 +1,1 @@
+"""A small transformer that proves graphcap without MiniMax-M3."""

@@ -1,0 +1,80 @@
+"""Compile Triton kernels for Hopper without a GPU (tests of the kernel modules share this)."""
+
+import os
+
+import pytest
+
+
+def run_compile_reports(cases):
+    """compile_report for each case in a subprocess without the interpreter; the reports."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is missing")
+    code = ("import json, sys; from helpers.triton_compile import compile_report; "
+            "print(json.dumps([compile_report(*c) for c in json.loads(sys.argv[1])]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests")])
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    reports = json.loads(res.stdout.strip().splitlines()[-1])
+    for case, rep in zip(cases, reports):
+        assert rep["shared"] <= 227 * 1024, (case, rep)  # H200: 227 KiB per block
+        assert rep["spill_bytes"] <= 256, (case, rep)  # a little spilling at the 255-register cap is tolerated
+    return reports
+
+
+def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[str, str] | None = None,
+                   float_args: tuple[str, ...] = (), num_warps: int = 4, num_stages: int = 3,
+                   arch: int = 90) -> dict:
+    """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
+    its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool}``.
+
+    A development check (the interpreter accepts code the compiler rejects, e.g. sibling
+    branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
+    (``ptr_dtypes[name]``, default bf16), ``float_args`` are fp32, other non-constexpr
+    arguments int32; pointers, strides and ``page_size`` are assumed 16-divisible, as at real
+    launches. Must run where ``TRITON_INTERPRET`` is off (the tests use a subprocess).
+    """
+    import importlib
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), kernel)
+    ptr_dtypes = ptr_dtypes or {}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            sig[name] = "*" + ptr_dtypes.get(name, "bf16")
+        else:
+            sig[name] = "fp32" if name in float_args else "i32"
+        if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_bt") or name == "page_size":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = compiled.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return dict(shared=compiled.metadata.shared, regs=int(regs.group(1)) if regs else -1,
+                spill_bytes=int(spills.group(1)) if spills else 0, wgmma="wgmma" in ptx)
