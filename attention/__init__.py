@@ -1,6 +1,10 @@
-"""Attention for graphcap models: step metadata, reference maths, Triton kernels, backends."""
+"""Attention for graphcap models: step metadata, the backend interface, reference maths,
+Triton kernels and one backend per file (``attention/backends/``)."""
 
-from .base import AttentionBackend, TorchAttention, make_backend
-from .metadata import AttentionMetadata, MetadataBuilder, RequestChunk
+from .base import AttentionBackend
+from .dims import AttentionDims
+from .metadata import AttentionMetadata, MetadataBuilder, TokenChunk
+from .registry import BACKENDS, make_backend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "MetadataBuilder", "RequestChunk", "TorchAttention", "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionDims", "AttentionMetadata", "MetadataBuilder", "TokenChunk",
+           "make_backend"]

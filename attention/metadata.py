@@ -13,28 +13,81 @@ slots, never a walk over the prompt's page list.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import numbers
+from dataclasses import dataclass, fields
 from typing import Hashable, Iterator, Sequence
 
 import torch
 
+from graphcap.config import is_int
 from kvcache.paged import PagedKVCache
 
 
+def _as_int(value: object) -> int | None:
+    """``value`` as an int if it is an integer (Python, NumPy or 0-d integer tensor), not a bool."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() or value.is_floating_point()
+                                                                     or value.dtype == torch.bool)):
+        return None
+    if isinstance(value, (numbers.Integral, torch.Tensor)):
+        return int(value)
+    return None
+
+
+def _token_ids(seq_id: Hashable, token_ids: object) -> tuple[int, ...]:
+    """Token ids as a tuple of ints; floats, bools and other types are refused (never truncated)."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+            raise ValueError(f"request {seq_id!r}: token_ids must be a 1-D integer sequence, got a "
+                             f"{token_ids.dtype} tensor of shape {tuple(token_ids.shape)}")
+        return tuple(token_ids.tolist())
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) and not hasattr(token_ids, "__array__"):
+        raise ValueError(f"request {seq_id!r}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+    out = []
+    for i, t in enumerate(token_ids):
+        v = _as_int(t)
+        if v is None:
+            raise ValueError(f"request {seq_id!r}: token_ids[{i}] = {t!r} is not an integer token id")
+        out.append(v)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
-class RequestChunk:
-    """One request's share of a step.
+class TokenChunk:
+    """One request's tokens for one step: ``token_ids`` at positions ``start_pos ...``.
+
+    ``start_pos`` must continue the sequence: it equals the positions already written for it
+    (``M3Runner.num_tokens(seq_id)``), so attention never reads a position this request did
+    not write. To rewrite earlier positions (e.g. drop rejected speculative tokens), rewind
+    the sequence first (``M3Runner.rewind_request``). A decode request is a chunk of one token.
 
     Attributes:
-        seq_id: the sequence in the cache.
-        start_pos: positions already cached before this step (a decode request's context,
-            a prefill chunk's offset into the prompt).
-        num_tokens: query tokens this step (1 for a decode request).
+        seq_id: the request (added with ``M3Runner.add_request``).
+        start_pos: first position of this chunk (any integer type; stored as int).
+        token_ids: the chunk's token ids (any integer sequence; stored as a tuple of ints).
     """
 
     seq_id: Hashable
     start_pos: int
-    num_tokens: int
+    token_ids: Sequence[int]
+
+    def __post_init__(self) -> None:
+        start = _as_int(self.start_pos)
+        if start is None or start < 0:
+            raise ValueError(f"request {self.seq_id!r}: start_pos must be an integer >= 0, got {self.start_pos!r}")
+        ids = _token_ids(self.seq_id, self.token_ids)
+        if not ids:
+            raise ValueError(f"request {self.seq_id!r}: a chunk needs at least one token")
+        object.__setattr__(self, "start_pos", start)
+        object.__setattr__(self, "token_ids", ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        """One past the chunk's last position: the context length after this step."""
+        return self.start_pos + len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -47,6 +100,10 @@ class MetadataBuffers:
     token_seq: torch.Tensor  # int32 [max_tokens]
     positions: torch.Tensor  # int64 [max_tokens]
     slot_mapping: torch.Tensor  # int64 [max_tokens]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer, by name (for invalidation checks)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def views(self, num_tokens: int, num_seqs: int) -> dict[str, torch.Tensor]:
         """The first ``num_tokens`` token rows and ``num_seqs`` request rows of every buffer."""
@@ -64,14 +121,14 @@ class MetadataBuffers:
 class AttentionMetadata:
     """One step's attention metadata.
 
-    Device tensors are views, from offset 0, of the builder's persistent buffers. By default
-    they have the real lengths (B = num_seqs rows, T = num_tokens tokens); ``pad_to`` gives
-    longer views whose extra entries hold pad values. ``num_tokens``/``num_seqs`` always
-    count real entries.
+    Device tensors are views, from offset 0, of the builder's persistent buffers, with the
+    real lengths (B = num_seqs rows, T = num_tokens tokens); past them every buffer holds pad
+    values up to its capacity, so a view of more rows (``buffers``, sliced by the step's
+    ``graphcap.Padding``) reads padding. Whether the step is a uniform decode is a fact of the
+    ``graphcap.Step`` (``Step.uniform_decode``), not repeated here.
 
     Attributes:
         num_tokens, num_seqs: real tokens T and requests B.
-        uniform_decode: every request has exactly one query token.
         max_q_len, max_kv_len: over the real requests.
         qo_indptr: int32 [B+1], token offsets of each request.
         kv_lens: int32 [B], context length including this step (start_pos + num_tokens).
@@ -87,7 +144,6 @@ class AttentionMetadata:
 
     num_tokens: int
     num_seqs: int
-    uniform_decode: bool
     max_q_len: int
     max_kv_len: int
     qo_indptr: torch.Tensor
@@ -110,18 +166,6 @@ class AttentionMetadata:
         return zip(self.qo_indptr_host[:-1].tolist(), self.qo_indptr_host[1:].tolist(),
                    self.kv_lens_host.tolist(), self.seq_slots_host.tolist())
 
-    def pad_to(self, num_tokens: int, num_seqs: int | None = None) -> "AttentionMetadata":
-        """Views with ``num_tokens`` token rows and ``num_seqs`` request rows (default: the
-        bucket for uniform decode, else the real count); the extra rows hold pad values."""
-        b = self.buffers
-        if num_seqs is None:
-            num_seqs = num_tokens if self.uniform_decode else self.num_seqs
-        if not self.num_tokens <= num_tokens <= b.positions.shape[0]:
-            raise ValueError(f"pad_to({num_tokens}) must lie in [{self.num_tokens}, {b.positions.shape[0]}]")
-        if not self.num_seqs <= num_seqs <= b.kv_lens.shape[0]:
-            raise ValueError(f"pad_to num_seqs={num_seqs} must lie in [{self.num_seqs}, {b.kv_lens.shape[0]}]")
-        return replace(self, **b.views(num_tokens, num_seqs))
-
 
 class MetadataBuilder:
     """Builds ``AttentionMetadata`` for a cache into buffers allocated once.
@@ -134,9 +178,9 @@ class MetadataBuilder:
     """
 
     def __init__(self, cache: PagedKVCache, max_tokens: int, max_seqs: int, device: torch.device | str | None = None) -> None:
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"MetadataBuilder.max_tokens must be a positive int, got {max_tokens!r}")
-        if not isinstance(max_seqs, int) or max_seqs < 1:
+        if not is_int(max_seqs) or max_seqs < 1:
             raise ValueError(f"MetadataBuilder.max_seqs must be a positive int, got {max_seqs!r}")
         self.cache = cache
         self.max_tokens = max_tokens
@@ -166,28 +210,59 @@ class MetadataBuilder:
         self._hw = [(0, 0), (0, 0)]
         self._hw_dev = (0, 0)
 
-    def build(self, chunks: Sequence[RequestChunk]) -> AttentionMetadata:
-        """Metadata for ``chunks`` flattened in the given order.
+    def check(self, chunks: Sequence[TokenChunk], vocab_size: int | None = None) -> None:
+        """Every rule a step must meet, checked once, before anything is reserved or written.
 
         Raises:
-            ValueError: empty batch, more tokens than ``max_tokens`` or requests than
-                ``max_seqs``, a chunk with ``num_tokens < 1`` or ``start_pos < 0``, a sequence
-                twice in one batch, an unknown sequence, or a chunk beyond its reserved pages.
+            ValueError: naming the request and what to change: an empty step, more tokens than
+                ``max_tokens`` or requests than ``max_seqs``, a request twice in one step, an
+                unknown request, a chunk that does not continue its sequence (``start_pos`` not
+                equal to the positions already written), a sequence longer than the cache
+                allows, a token id outside ``[0, vocab_size)``.
+            RuntimeError: the step needs more free KV pages than the cache has.
         """
-        nb = len(chunks)
-        if nb == 0:
-            raise ValueError("build needs at least one RequestChunk")
-        if nb > self.max_seqs:
-            raise ValueError(f"batch has {nb} requests but max_seqs={self.max_seqs}; split the step or raise max_seqs")
-        total = 0
-        for ch in chunks:
-            if ch.num_tokens < 1 or ch.start_pos < 0:
-                raise ValueError(f"{ch} needs num_tokens >= 1 and start_pos >= 0")
-            total += ch.num_tokens
+        if not chunks:
+            raise ValueError("a step needs at least one TokenChunk")
+        bad = [ch for ch in chunks if not isinstance(ch, TokenChunk)]
+        if bad:
+            raise ValueError(f"a step is a sequence of TokenChunk, got {type(bad[0]).__name__}")
+        if len(chunks) > self.max_seqs:
+            raise ValueError(f"step has {len(chunks)} requests but max_seqs={self.max_seqs}; split the step or raise max_seqs")
+        total = sum(ch.num_tokens for ch in chunks)
         if total > self.max_tokens:
-            raise ValueError(f"batch has {total} tokens but max_tokens={self.max_tokens}; split the step or raise max_tokens")
-        if len({ch.seq_id for ch in chunks}) != nb:
-            raise ValueError("a sequence appears twice in one batch; merge its chunks")
+            raise ValueError(f"step has {total} tokens but max_tokens={self.max_tokens}; split the step or raise max_tokens")
+        cache, seen, pages = self.cache, set(), 0
+        for ch in chunks:
+            sid = ch.seq_id
+            if sid in seen:
+                raise ValueError(f"request {sid!r} appears twice in one step; merge its chunks")
+            seen.add(sid)
+            if not cache.has_sequence(sid):
+                raise ValueError(f"request {sid!r} is unknown; add it first (M3Runner.add_request({sid!r}))")
+            written = cache.num_written(sid)
+            if ch.start_pos != written:
+                what = "skips past" if ch.start_pos > written else "rewrites"
+                raise ValueError(
+                    f"request {sid!r}: chunk at start_pos={ch.start_pos} {what} the {written} positions written so far; "
+                    f"a chunk must continue its sequence (start_pos={written})"
+                    + ("" if ch.start_pos > written else ", or rewind it first (M3Runner.rewind_request)"))
+            if ch.end_pos > cache.config.max_seq_len:
+                raise ValueError(f"request {sid!r} would hold {ch.end_pos} positions but a sequence holds at most "
+                                 f"{cache.config.max_seq_len} (max_pages_per_seq * page_size); raise max_seq_len")
+            if vocab_size is not None:
+                out = [t for t in ch.token_ids if not 0 <= t < vocab_size]
+                if out:
+                    raise ValueError(f"request {sid!r}: token id {out[0]} is outside the vocabulary [0, {vocab_size})")
+            pages += cache.pages_needed(sid, ch.end_pos)
+        if pages > cache.num_free_pages:
+            raise RuntimeError(f"step needs {pages} new KV pages but {cache.num_free_pages} of {cache.num_pages} are free; "
+                               f"run fewer chunks or free finished requests")
+
+    def build(self, chunks: Sequence[TokenChunk]) -> AttentionMetadata:
+        """Metadata for ``chunks`` (checked by ``check``, pages reserved) flattened in order."""
+        nb = len(chunks)
+        total = sum(ch.num_tokens for ch in chunks)
+        assert 0 < nb <= self.max_seqs and total <= self.max_tokens, "call check(chunks) before build"
 
         cache = self.cache
         indptr = [0]
@@ -236,12 +311,10 @@ class MetadataBuilder:
             ev.record()
             self._events[w] = ev
 
-        q_lens = [ch.num_tokens for ch in chunks]
         return AttentionMetadata(
             num_tokens=total,
             num_seqs=nb,
-            uniform_decode=all(q == 1 for q in q_lens),
-            max_q_len=max(q_lens),
+            max_q_len=max(ch.num_tokens for ch in chunks),
             max_kv_len=max(kv_lens),
             **buf.views(total, nb),
             block_tables=cache.block_tables,

@@ -38,9 +38,6 @@ from typing import Callable
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 HBM_TBPS, BF16_TFLOPS = 4.3, 790.0
 
@@ -142,16 +139,16 @@ def selected_keys(sel: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.
 
 
 def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]:
-    from attention.reference.indexer import index_topk_ref
     from attention.kernels.indexer import index_topk_decode
-    from attention.metadata import MetadataBuilder, RequestChunk
-    from attention.reference.sparse import sparse_attention_ref
     from attention.kernels.sparse import sparse_attention_decode
+    from attention.metadata import MetadataBuilder, TokenChunk
+    from attention.reference.indexer import index_topk_ref
+    from attention.reference.sparse import sparse_attention_ref
 
     d = dims
     cache = make_cache(d, [ctx] * batch, capacity, device)
     meta = MetadataBuilder(cache, max_tokens=batch, max_seqs=batch).build(
-        [RequestChunk(i, ctx - 1, 1) for i in range(batch)])
+        [TokenChunk(i, ctx - 1, [0]) for i in range(batch)])
     q, iq = rand(batch, d.num_qo_heads, d.head_dim, device=device), rand(batch, d.num_kv_heads, d.index_dim, device=device)
     topk = torch.full((d.num_kv_heads, batch, d.topk), -1, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
@@ -197,15 +194,15 @@ def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]
 
 
 def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
-    from attention.reference.indexer import index_topk_ref
     from attention.kernels.indexer import index_topk_prefill
-    from attention.metadata import MetadataBuilder, RequestChunk
-    from attention.reference.sparse import sparse_attention_ref
     from attention.kernels.sparse import sparse_attention_prefill
+    from attention.metadata import MetadataBuilder, TokenChunk
+    from attention.reference.indexer import index_topk_ref
+    from attention.reference.sparse import sparse_attention_ref
 
     d = dims
     cache = make_cache(d, [ctx], ctx, device)
-    meta = MetadataBuilder(cache, max_tokens=chunk, max_seqs=1).build([RequestChunk(0, ctx - chunk, chunk)])
+    meta = MetadataBuilder(cache, max_tokens=chunk, max_seqs=1).build([TokenChunk(0, ctx - chunk, [0] * chunk)])
     q, iq = rand(chunk, d.num_qo_heads, d.head_dim, device=device), rand(chunk, d.num_kv_heads, d.index_dim, device=device)
     topk = torch.full((d.num_kv_heads, chunk, d.topk), -1, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
@@ -248,13 +245,13 @@ def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
 
 
 def bench_dense_decode(dims, ctx, batch, timer, device) -> list[Row]:
-    from attention.metadata import MetadataBuilder, RequestChunk
     from attention.kernels.sparse import dense_attention_triton
+    from attention.metadata import MetadataBuilder, TokenChunk
 
     d = dims
     cache = make_cache(d, [ctx] * batch, ctx, device)
     meta = MetadataBuilder(cache, max_tokens=batch, max_seqs=batch).build(
-        [RequestChunk(i, ctx - 1, 1) for i in range(batch)])
+        [TokenChunk(i, ctx - 1, [0]) for i in range(batch)])
     q = rand(batch, d.num_qo_heads, d.head_dim, device=device)
     out = torch.empty_like(q)
 
@@ -268,7 +265,8 @@ def bench_dense_decode(dims, ctx, batch, timer, device) -> list[Row]:
 
 
 def bench_producer(dims, T, timer, device) -> list[Row]:
-    from models.minimax_m3.kernels.producer import QKVLayout, norm_rope_cache_write, norm_rope_cache_write_torch, rope_inv_freq
+    from attention.rope import rope_inv_freq
+    from models.minimax_m3.kernels.producer import QKVLayout, norm_rope_cache_write, norm_rope_torch
 
     d = dims
     L = QKVLayout(d.num_qo_heads, d.num_kv_heads, d.head_dim, d.num_kv_heads, d.index_dim, d.rotary_dim)
@@ -286,7 +284,7 @@ def bench_producer(dims, T, timer, device) -> list[Row]:
         + T * (2 * L.num_kv_heads * d.head_dim + d.index_dim) * 2
     row = Row("norm+rope+cache_write", 0, T, timer(lambda: norm_rope_cache_write(*args, **kw)), byts, 0.0,
               timer.graph(lambda: norm_rope_cache_write(*args, **kw)))
-    row.ref_us = timer(lambda: norm_rope_cache_write_torch(*args, **kw), rep_ms=20)
+    row.ref_us = timer(lambda: norm_rope_torch(qkv, pos, L, inv, *w), rep_ms=20)  # the maths, without the writes
     return [row.finish()]
 
 

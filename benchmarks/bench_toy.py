@@ -10,18 +10,15 @@ Times are medians of CUDA-event timed steps after warm-up, each step including t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-from graphcap import CaptureConfig, CaptureManager  # noqa: E402
-from graphcap.report import measure_coverage  # noqa: E402
-from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs  # noqa: E402
+from graphcap import CaptureConfig, CaptureManager
+from graphcap.report import measure_coverage
+from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
 
 
 def time_steps(manager: CaptureManager, step, iters: int, warmup: int = 3) -> float:
@@ -49,7 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(x) for x in args.tokens.split(",")]
     ceiling = max(counts)
-    cfg = ToyConfig(num_layers=args.layers, hidden=args.hidden, num_heads=16, vocab=32000, max_seqs=ceiling, max_len=128, max_tokens=ceiling)
+    cfg = ToyConfig(num_layers=args.layers, hidden=args.hidden, num_heads=16, vocab=32000, max_seqs=ceiling, max_len=128,
+                    max_tokens=ceiling)
     torch.manual_seed(0)
     model = ToyTransformer(cfg, "cuda", torch.bfloat16)
     model.k_cache.normal_(), model.v_cache.normal_()
@@ -67,8 +65,7 @@ def main() -> None:
     rows = []
     for n in counts:
         decode = make_step(cfg, [(i, 64, 1) for i in range(n)])
-        mixed = make_step(cfg, [(i, 64, 1) for i in range(n)])
-        mixed.uniform_decode = False  # forces the segmented graph of the same bucket
+        mixed = dataclasses.replace(decode, uniform_decode=False)  # the segmented graph of the same bucket
         e = time_steps(eager, decode, args.iters)
         s = time_steps(graphs, mixed, args.iters)
         w = time_steps(graphs, decode, args.iters)
@@ -89,11 +86,14 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"GPU {result['gpu']}, toy {cfg.num_layers} layers x hidden {cfg.hidden}, bf16, decode batches, context 64")
-    print(f"{'tokens':>6} {'eager ms':>9} {'segm ms':>8} {'whole ms':>9} {'x segm':>7} {'x whole':>8} {'cap ms s/w':>12} {'MiB s/w':>12}")
+    print(f"{'tokens':>6} {'eager ms':>9} {'segm ms':>8} {'whole ms':>9} {'x segm':>7} {'x whole':>8} "
+          f"{'cap ms s/w':>12} {'MiB s/w':>12}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['eager_ms']:>9.3f} {r['segmented_ms']:>8.3f} {r['whole_ms']:>9.3f} {r['speedup_segmented']:>7.2f} "
-              f"{r['speedup_whole']:>8.2f} {r['capture_ms_segmented']:>5.0f}/{r['capture_ms_whole']:<6.0f} {r['mib_segmented']:>5.1f}/{r['mib_whole']:<6.1f}")
-    print(f"capture total {graphs.stats.capture_ms:.0f} ms, {graphs.stats.memory_mib:.1f} MiB; validation failures: {graphs.failures or 'none'}")
+        print(f"{r['tokens']:>6} {r['eager_ms']:>9.3f} {r['segmented_ms']:>8.3f} {r['whole_ms']:>9.3f} "
+              f"{r['speedup_segmented']:>7.2f} {r['speedup_whole']:>8.2f} {r['capture_ms_segmented']:>5.0f}/"
+              f"{r['capture_ms_whole']:<6.0f} {r['mib_segmented']:>5.1f}/{r['mib_whole']:<6.1f}")
+    print(f"capture total {graphs.stats.capture_ms:.0f} ms, {graphs.stats.memory_mib:.1f} MiB; "
+          f"validation failures: {graphs.failures or 'none'}")
 
 
 if __name__ == "__main__":

@@ -3,37 +3,34 @@
     python examples/profile_forward.py                                 # tiny preset, CPU or GPU
     python examples/profile_forward.py --preset rank-of-8 --layers 8   # per-GPU shapes of TP8/EP8
 
-On a GPU the graphed runner replays CUDA graphs (segments with eager attention splices, and
-whole graphs for uniform decode); on a CPU it runs the same padded, guarded segment/splice
-path eagerly (debug-eager), so the timings there only show the wiring works. Every measured
-step is also checked: graphed logits against eager logits of the same step.
+On a GPU the runner replays CUDA graphs (segments with eager attention splices, and whole
+graphs for uniform decode); on a CPU it runs the same padded, guarded segment/splice path
+eagerly (debug-eager), so the CPU timings only show that the wiring works, not speed. Every
+measured step is also checked: graphed logits against eager logits of the same step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from graphcap import CaptureConfig  # noqa: E402
-from graphcap.report import coverage_table, measure_coverage, stats_table  # noqa: E402
-from graphcap.validation import relative_error  # noqa: E402
-from models.minimax_m3.config import MiniMaxM3Config  # noqa: E402
-from models.minimax_m3.graphed import GraphedM3Runner  # noqa: E402
-from models.minimax_m3.runner import TokenChunk, build_from_preset  # noqa: E402
+from attention.metadata import TokenChunk
+from graphcap import CaptureConfig
+from graphcap.report import coverage_table, kernel_table, measure_coverage, stats_table
+from graphcap.validation import relative_error
+from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.runner import M3Runner, build_from_preset
 
 
-def timed(fn, iters: int, cuda: bool) -> float:
+def timed(fn: Callable[[], object], iters: int, cuda: bool) -> float:
     """Median wall-clock ms of ``fn`` (each call ends in a host sync: the sampled tokens)."""
     fn()
     times = []
@@ -46,6 +43,15 @@ def timed(fn, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def run_again(runner: M3Runner, chunks: list[TokenChunk], all_logits: bool = False):
+    """Run ``chunks`` and rewind their requests, so the same step can run again (any runner
+    over the same cache sees the same state)."""
+    out = runner.step(chunks, all_logits=all_logits)
+    for ch in chunks:
+        runner.rewind_request(ch.seq_id, ch.start_pos)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", help="tiny | slice | rank-of-8 | real")
@@ -55,6 +61,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200, help="prompt tokens per request before decoding")
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk of the mixed step")
     p.add_argument("--prefill-chunk", type=int, default=256, help="chunk size for prefilling the prompts")
+    p.add_argument("--producer", default="auto", help="auto | torch | triton (the producer op table)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
@@ -68,20 +75,19 @@ def main() -> None:
     max_seqs = max(sizes) + 1  # + the prefilling request of the mixed step
     ceiling = max(max(sizes) + args.chunk, args.chunk)
     buckets = tuple(sorted({*sizes, ceiling}))
-    runner = build_from_preset(
-        config, args.device, dtype, backend="auto", max_tokens=max(ceiling, args.prefill_chunk), max_seqs=max_seqs,
-        max_seq_len=args.context + args.chunk + 8,
-    )
     graphs = CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=not cuda)
-    eager = GraphedM3Runner(runner, CaptureConfig(enabled=False, max_tokens=ceiling))
-    graphed = GraphedM3Runner(runner, graphs)
+    graphed = build_from_preset(
+        config, args.device, dtype, backend="auto", max_tokens=max(ceiling, args.prefill_chunk), max_seqs=max_seqs,
+        max_seq_len=args.context + args.chunk + 8, producer=args.producer, capture=graphs,
+    )
+    eager = graphed.with_capture(CaptureConfig(max_tokens=ceiling))
     # Eager through the same padded segment/splice path: the same kernels at the same shapes
     # as the replay, so graph vs this is the graph's own error.
-    padded = GraphedM3Runner(runner, CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=True))
+    padded = graphed.with_capture(CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=True))
     console = Console(width=None if sys.stdout.isatty() else 130)
     console.print(f"MiniMax-M3 {args.preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                   f"{config.num_attention_heads} q / {config.num_key_value_heads} kv heads, {config.num_local_experts} "
-                  f"experts; {args.device} {dtype}; attention backend {type(runner.backend).__name__}")
+                  f"experts; {args.device} {dtype}; attention {graphed.backend.describe()}; ops {graphed.model.ops.name}")
     t0 = time.perf_counter()
     graphed.capture()
     failures = graphed.validate()
@@ -90,31 +96,37 @@ def main() -> None:
     vocab = config.vocab_size
     gen = torch.Generator().manual_seed(0)
     for i in range(max_seqs):  # admit requests and prefill their prompts eagerly
-        runner.add_request(i)
+        eager.add_request(i)
         prompt = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
         for start in range(0, args.context, args.prefill_chunk):
-            runner.step([TokenChunk(i, start, prompt[start:start + args.prefill_chunk])])
-    steps = {f"decode {n}": [TokenChunk(i, args.context, [int(torch.randint(0, vocab, (1,), generator=gen))]) for i in range(n)] for n in sizes}
+            eager.step([TokenChunk(i, start, prompt[start:start + args.prefill_chunk])])
+    steps = {f"decode {n}": [TokenChunk(i, args.context, [int(torch.randint(0, vocab, (1,), generator=gen))])
+                             for i in range(n)] for n in sizes}
     mixed_prefill = TokenChunk(max_seqs - 1, args.context, torch.randint(0, vocab, (args.chunk,), generator=gen).tolist())
     steps[f"mixed {max(sizes) - 1}+{args.chunk}"] = steps[f"decode {max(sizes)}"][:-1] + [mixed_prefill]
 
     rows = []
     for name, chunks in steps.items():
-        ref = eager.step(chunks, all_logits=True).logits
-        same_shapes = padded.step(chunks, all_logits=True).logits
-        out = graphed.step(chunks, all_logits=True).logits
+        ref = run_again(eager, chunks, all_logits=True).logits
+        same_shapes = run_again(padded, chunks, all_logits=True).logits
+        out = run_again(graphed, chunks, all_logits=True).logits
         err = relative_error(out.float(), same_shapes.float())
         err_unpadded = relative_error(out.float(), ref.float())
-        e_ms = timed(lambda: eager.step(chunks), args.iters, cuda)
-        g_ms = timed(lambda: graphed.step(chunks), args.iters, cuda)
+        e_ms = timed(lambda: run_again(eager, chunks), args.iters, cuda)
+        g_ms = timed(lambda: run_again(graphed, chunks), args.iters, cuda)
         rows.append(dict(step=name, tokens=out.shape[0], eager_ms=e_ms, graphcap_ms=g_ms, speedup=e_ms / g_ms,
                          rel_err=err, rel_err_vs_unpadded=err_unpadded))
 
-    table = Table(title=f"step time (median of {args.iters}, wall clock incl. plan and sampling)")
-    for col in ("step", "tokens", "eager ms", "graphcap ms", "speedup", "err vs padded eager", "err vs unpadded eager"):
+    title = "step time (median of {}, wall clock incl. plan and sampling)".format(args.iters)
+    if not cuda:
+        title += " - CPU: debug-eager wiring check, not a speed measurement"
+    table = Table(title=title)
+    cols = ["step", "tokens", "eager ms", "graphcap ms"] + (["speedup"] if cuda else [])
+    for col in cols + ["err vs padded eager", "err vs unpadded eager"]:
         table.add_column(col, justify="left" if col == "step" else "right")
     for r in rows:
-        table.add_row(r["step"], str(r["tokens"]), f"{r['eager_ms']:.2f}", f"{r['graphcap_ms']:.2f}", f"{r['speedup']:.2f}x",
+        speed = [f"{r['speedup']:.2f}x"] if cuda else []
+        table.add_row(r["step"], str(r["tokens"]), f"{r['eager_ms']:.2f}", f"{r['graphcap_ms']:.2f}", *speed,
                       f"{r['rel_err']:.1e}", f"{r['rel_err_vs_unpadded']:.1e}")
     console.print(table)
     console.print("[dim]err vs padded eager: replay against the same kernels run eagerly at the bucket's shapes. "
@@ -123,19 +135,26 @@ def main() -> None:
     console.print(stats_table(graphed.manager))
     coverage = {}
     for name in (f"decode {max(sizes)}", list(steps)[-1]):
-        cov = measure_coverage(graphed.manager, runner.make_step(steps[name]))
+        step = graphed.make_step(steps[name])
+        cov = measure_coverage(graphed.manager, step, layers=config.num_hidden_layers)
+        for ch in steps[name]:
+            graphed.rewind_request(ch.seq_id, ch.start_pos)
         coverage[name] = cov.as_dict()
         console.print(coverage_table(cov), f"[dim]{name}[/dim]")
+        if cuda:
+            console.print(kernel_table(cov, top=20), f"[dim]{name}: kernels inside graphs[/dim]")
     console.print(f"capture + validation {capture_s:.1f} s; validation failures: {failures or 'none'}"
                   + ("" if cuda else "  (CPU: debug-eager path, no graphs)"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(
                 preset=args.preset, layers=config.num_hidden_layers, device=args.device,
-                gpu=torch.cuda.get_device_name() if cuda else None, dtype=str(dtype), backend=type(runner.backend).__name__,
+                gpu=torch.cuda.get_device_name() if cuda else None, dtype=str(dtype),
+                backend=graphed.backend.describe(), ops=graphed.model.ops.name,
                 context=args.context, chunk=args.chunk, rows=rows, coverage=coverage, capture_and_validate_s=capture_s,
                 validation_failures={str(k): v for k, v in failures.items()},
-                buckets={f"{b}{'/whole' if full else ''}": vars(s) for (b, full), s in graphed.manager.stats.buckets.items()},
+                buckets={f"{b}{'/whole' if full else ''}": vars(s)
+                         for (b, full), s in graphed.manager.stats.buckets.items()},
             ), f, indent=2)
     worst = max(r["rel_err"] for r in rows)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4

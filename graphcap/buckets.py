@@ -1,10 +1,11 @@
-"""Token-count buckets: pure functions, no torch."""
+"""Token-count buckets and the one padding decision per step: pure functions, no torch."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from dataclasses import dataclass
 
-from .config import CaptureConfig
+from .config import CaptureConfig, is_int
 
 
 def default_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -30,6 +31,16 @@ def bucket_list(config: CaptureConfig) -> tuple[int, ...]:
     return config.buckets if config.buckets is not None else default_buckets(config.max_tokens)
 
 
+def whole_graph_buckets(config: CaptureConfig, request_capacity: int | None = None) -> tuple[int, ...]:
+    """The buckets captured as whole decode graphs: every bucket up to
+    ``config.full_graph_max_tokens`` and ``request_capacity`` (a uniform decode step carries
+    one token per request, so no decode step is larger than the request capacity)."""
+    if not config.full_graph_decode:
+        return ()
+    limit = min(x for x in (config.full_graph_max_tokens, request_capacity, config.max_tokens) if x is not None)
+    return tuple(b for b in bucket_list(config) if b <= limit)
+
+
 def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``num_tokens``; ``None`` above the ceiling (run eagerly)."""
     if num_tokens < 1:
@@ -43,3 +54,50 @@ def padding(num_tokens: int, bucket: int) -> int:
     if num_tokens > bucket:
         raise ValueError(f"{num_tokens} tokens do not fit bucket {bucket}")
     return bucket - num_tokens
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How one step runs: the manager decides it once, and static inputs, metadata padding and
+    the attention backends all read this one value.
+
+    Attributes:
+        num_tokens: real tokens of the step.
+        num_seqs: real requests of the step.
+        rows: token rows the forward sees (the bucket, or ``num_tokens`` when unpadded).
+        request_rows: request rows the attention metadata presents. A whole decode graph is
+            captured for a fixed batch, so its request rows are padded to the bucket (one token
+            per request); a segmented graph runs attention eagerly with this step's real
+            requests, so ``request_rows == num_seqs`` there.
+        whole_graph: the step replays (or, in debug-eager, mirrors) a whole decode graph.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    rows: int
+    request_rows: int
+    whole_graph: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_seqs", "rows", "request_rows"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"Padding.{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.num_tokens <= self.rows or not self.num_seqs <= self.request_rows:
+            raise ValueError(f"padding below the real sizes: {self}")
+        if self.whole_graph and not (self.num_tokens == self.num_seqs and self.rows == self.request_rows):
+            raise ValueError(f"a whole decode graph runs one token per request: {self}")
+
+    @property
+    def padded(self) -> bool:
+        """Whether any row is padding (a bucket larger than the step)."""
+        return self.rows > self.num_tokens
+
+    @classmethod
+    def unpadded(cls, num_tokens: int, num_seqs: int) -> "Padding":
+        """An eager run at the step's own size."""
+        return cls(num_tokens, num_seqs, num_tokens, num_seqs, False)
+
+    @classmethod
+    def bucketed(cls, num_tokens: int, num_seqs: int, bucket: int, whole_graph: bool) -> "Padding":
+        """A step run in ``bucket``: token rows padded to it; request rows too for a whole graph."""
+        return cls(num_tokens, num_seqs, bucket, bucket if whole_graph else num_seqs, whole_graph)

@@ -2,8 +2,35 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+
+# GRAPHCAP_* variables that are not CaptureConfig fields (read elsewhere), so from_env does
+# not warn about them.
+OTHER_ENV_VARS = frozenset({"GRAPHCAP_CACHE_DIR"})
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an ``int`` to Python, never a size to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_tuple(name: str, value: object) -> tuple[int, ...]:
+    """Any iterable of ints (tuple, list, range, generator) as a tuple.
+
+    Raises:
+        ValueError: a string, a non-iterable, or an element that is not an int, naming ``name``.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be an iterable of ints, got {value!r}")
+    out = tuple(value)
+    bad = [x for x in out if not is_int(x)]
+    if bad:
+        raise ValueError(f"{name} must hold ints, got {bad[0]!r} in {out!r}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -13,20 +40,24 @@ class CaptureConfig:
     Attributes:
         enabled: capture and replay graphs; False runs every step eagerly (same code path).
         max_tokens: the capture ceiling; steps with more tokens run eagerly and are counted.
-        buckets: explicit token-count buckets (sorted, unique, last <= max_tokens); ``None``
-            uses the default rule of ``graphcap.buckets.default_buckets``.
+        buckets: explicit token-count buckets (any iterable of ints, stored as a sorted unique
+            tuple, last <= max_tokens); ``None`` uses ``graphcap.buckets.default_buckets``.
         full_graph_decode: capture uniform decode steps as one whole graph when every splice
-            point they pass through declares itself graph-safe for decode.
+            point they pass through is graph-safe for that bucket.
         full_graph_max_tokens: largest bucket captured as a whole decode graph (``None``: all
             buckets). A model whose decode steps carry one token per request sets it to its
             request capacity.
         validate: compare graph replay with eager per bucket after capture; failing buckets are
             dropped (run eagerly) and reported.
-        debug_eager: run every step eagerly through the same segment/splice path (no graphs);
-            this is what CPU machines exercise.
+        debug_eager: run every step eagerly through the same padded segment/splice path (no
+            graphs); this is what CPU machines exercise.
         warmup_steps: eager runs per bucket before capture (Triton autotune, JIT, allocator).
         recapture_on_invalidation: when registered storage moves, recapture into a fresh pool;
             False raises instead.
+        guard_producers: check producer code for host syncs and CPU-tensor reads during warm-up,
+            capture and debug-eager runs (``graphcap.guard``). Turn it off only for producers the
+            guard would disable: ``torch.compile``d code runs eagerly, op by op, under any
+            dispatch mode. Step-metadata reads from producer code are refused either way.
     """
 
     enabled: bool = False
@@ -38,28 +69,32 @@ class CaptureConfig:
     debug_eager: bool = False
     warmup_steps: int = 2
     recapture_on_invalidation: bool = True
+    guard_producers: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        for f in ("enabled", "full_graph_decode", "validate", "debug_eager", "recapture_on_invalidation",
+                  "guard_producers"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"CaptureConfig.{f} must be a bool, got {getattr(self, f)!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"CaptureConfig.max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
+        if not is_int(self.warmup_steps) or self.warmup_steps < 1:
             raise ValueError(
-                f"CaptureConfig.warmup_steps must be >= 1 (Triton autotune and JIT must run before "
+                f"CaptureConfig.warmup_steps must be an int >= 1 (Triton autotune and JIT must run before "
                 f"capture), got {self.warmup_steps!r}"
             )
         if self.full_graph_max_tokens is not None and (
-            not isinstance(self.full_graph_max_tokens, int) or self.full_graph_max_tokens < 1
+            not is_int(self.full_graph_max_tokens) or self.full_graph_max_tokens < 1
         ):
             raise ValueError(
                 f"CaptureConfig.full_graph_max_tokens must be a positive int or None, got {self.full_graph_max_tokens!r}"
             )
         if self.buckets is not None:
-            if isinstance(self.buckets, list):
-                object.__setattr__(self, "buckets", tuple(self.buckets))
-            b = self.buckets
+            b = int_tuple("CaptureConfig.buckets", self.buckets)
+            object.__setattr__(self, "buckets", b)
             if not b:
                 raise ValueError("CaptureConfig.buckets must not be empty (use None for the default rule)")
-            if any(not isinstance(x, int) or x < 1 for x in b):
+            if any(x < 1 for x in b):
                 raise ValueError(f"CaptureConfig.buckets must hold positive ints, got {b!r}")
             if list(b) != sorted(set(b)):
                 raise ValueError(f"CaptureConfig.buckets must be strictly increasing, got {b!r}")
@@ -68,32 +103,46 @@ class CaptureConfig:
                     f"CaptureConfig.buckets has {b[-1]} above max_tokens={self.max_tokens}; "
                     f"raise max_tokens or drop that bucket"
                 )
-        for f in ("enabled", "full_graph_decode", "validate", "debug_eager", "recapture_on_invalidation"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"CaptureConfig.{f} must be a bool, got {getattr(self, f)!r}")
 
     @classmethod
     def from_env(cls, base: "CaptureConfig | None" = None) -> "CaptureConfig":
         """Override fields from ``GRAPHCAP_<FIELD>`` variables (e.g. ``GRAPHCAP_ENABLED=1``,
-        ``GRAPHCAP_BUCKETS=1,2,4,8``). Read when called, never at import."""
+        ``GRAPHCAP_BUCKETS=1,2,4,8``). Read when called, never at import.
+
+        Raises:
+            ValueError: a value that does not parse, naming the variable.
+        Warns:
+            UserWarning: a ``GRAPHCAP_*`` variable that is no field, naming the closest one.
+        """
         base = base or cls()
+        names = {f"GRAPHCAP_{f.name.upper()}": f.name for f in fields(cls)}
+        for var in sorted(os.environ):
+            if var.startswith("GRAPHCAP_") and var not in names and var not in OTHER_ENV_VARS:
+                close = difflib.get_close_matches(var, [*names, *OTHER_ENV_VARS], n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                warnings.warn(f"{var} is not a graphcap setting and is ignored{hint}", stacklevel=2)
         updates: dict[str, object] = {}
-        for f in fields(cls):
-            raw = os.environ.get(f"GRAPHCAP_{f.name.upper()}")
+        for var, name in names.items():
+            raw = os.environ.get(var)
             if raw is None:
                 continue
-            current = getattr(base, f.name)
-            if f.name == "buckets":
-                updates[f.name] = tuple(int(x) for x in raw.split(",") if x.strip()) or None
-            elif f.name == "full_graph_max_tokens":
-                updates[f.name] = int(raw) if raw.strip() else None
-            elif isinstance(current, bool):
-                if raw.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError(f"GRAPHCAP_{f.name.upper()}={raw!r} is not a boolean")
-                updates[f.name] = raw.lower() in ("1", "true", "yes", "on")
-            else:
-                try:
-                    updates[f.name] = int(raw)
-                except ValueError:
-                    raise ValueError(f"GRAPHCAP_{f.name.upper()}={raw!r} is not an int") from None
-        return replace(base, **updates)
+            current = getattr(base, name)
+            try:
+                if name == "buckets":
+                    updates[name] = tuple(int(x) for x in raw.split(",") if x.strip()) or None
+                elif name == "full_graph_max_tokens":
+                    updates[name] = int(raw) if raw.strip() else None
+                elif isinstance(current, bool):
+                    if raw.strip().lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                        raise ValueError(raw)
+                    updates[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                else:
+                    updates[name] = int(raw)
+            except ValueError:
+                what = {"buckets": "not a comma-separated list of ints"}.get(
+                    name, "not a boolean (use 1/0, true/false, yes/no, on/off)" if isinstance(current, bool) else "not an int")
+                raise ValueError(f"{var}={raw!r} is {what}") from None
+        try:
+            return replace(base, **updates)
+        except ValueError as e:
+            raise ValueError(f"{e} (set through GRAPHCAP_* environment variables)") from None

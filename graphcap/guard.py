@@ -16,7 +16,7 @@ import traceback
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
 # Ops whose output shape or value must be known on the host: each is a device->host sync.
@@ -63,10 +63,17 @@ class CaptureGuard(TorchDispatchMode):
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Splice bodies run eagerly with the guard off: they may plan, sync and read host data."""
+        """Splice bodies run eagerly with the guard off: they may plan, sync and read host data.
+
+        The guard leaves the dispatch stack meanwhile (when it is on top), so a splice's own
+        ops cost nothing extra, e.g. the reference attention's per-request host loops."""
         self._paused += 1
         try:
-            yield
+            if _get_current_dispatch_mode() is self:
+                with _pop_mode_temporarily():
+                    yield
+            else:
+                yield
         finally:
             self._paused -= 1
 

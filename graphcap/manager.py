@@ -1,4 +1,4 @@
-"""CaptureManager: the one place that decides graph or eager for a step.
+"""CaptureManager: the one place that decides graph or eager, and the padding, of a step.
 
 Usage::
 
@@ -7,13 +7,15 @@ Usage::
     manager.register("model", model)
     manager.register("kv_cache", lambda: cache.tensors(), mutable=True)
     manager.capture()                      # warm-up, then capture largest bucket first
-    logits = manager.run(step)             # replay, or eager through the same code
+    out = manager.run(step)                # replay, or eager through the same code
 
-``forward(inputs)`` receives a dict of per-token tensors (``bucket`` rows) plus
-``num_real_tokens``; it may call splice points. ``prepare(step, rows)`` is the host-side plan
-(never captured) run before every warm-up, capture, replay and eager run; ``rows`` is the
-bucket the step is padded to (or its own size when run unpadded). ``dummy_step(bucket,
-uniform_decode)`` builds a step used for warm-up and capture.
+``forward(inputs)`` receives a dict of per-token tensors (``padding.rows`` rows) plus
+``num_real_tokens``; it may call splice points. ``prepare(step, padding)`` is the host-side
+plan (never captured) run before every warm-up, capture, replay and eager run, with the
+manager's one padding decision for the step (``graphcap.buckets.Padding``).
+``dummy_step(bucket, whole_graph)`` builds a step used for warm-up and capture.
+``before_capture(manager)`` runs before every capture and recapture (e.g. backends building
+graph-mode state for ``manager.whole_buckets``).
 """
 
 from __future__ import annotations
@@ -23,17 +25,17 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from .buckets import bucket_for, bucket_list
+from .buckets import Padding, bucket_for, bucket_list, whole_graph_buckets
 from .config import CaptureConfig
 from .guard import CaptureGuard
 from .registry import Source, StorageRegistry
-from .segments import BreakableGraph, Forward, capture_bucket, frozen_gc, run_eager
+from .segments import BreakableGraph, EagerDriver, Forward, capture_bucket, frozen_gc, run_eager
 from .splice import Step, step_context
 from .static import StaticInputs
 from .stats import CaptureStats
 from .validation import compare_outputs, compare_state
 
-Prepare = Callable[[Step, int], None]
+Prepare = Callable[[Step, Padding], None]
 DummyStep = Callable[[int, bool], Step]
 Key = tuple[int, bool]
 
@@ -43,7 +45,18 @@ def _rows(out: Any, n: int) -> Any:
 
 
 class CaptureManager:
-    """Captures a forward per token-count bucket and replays it, with eager fallback."""
+    """Captures a forward per token-count bucket and replays it, with eager fallback.
+
+    Args:
+        forward: the captured function (see the module docstring).
+        inputs: the static input buffers the forward reads.
+        config: capture settings.
+        prepare: host plan per step (``prepare(step, padding)``).
+        dummy_step: steps for warm-up, capture and validation (``dummy_step(bucket, whole)``).
+        before_capture: called with the manager before every (re)capture.
+        request_capacity: most requests one step holds; whole decode graphs (one token per
+            request) are never larger.
+    """
 
     def __init__(
         self,
@@ -53,6 +66,8 @@ class CaptureManager:
         *,
         prepare: Prepare | None = None,
         dummy_step: DummyStep | None = None,
+        before_capture: Callable[["CaptureManager"], None] | None = None,
+        request_capacity: int | None = None,
     ) -> None:
         if config.max_tokens > inputs.max_tokens:
             raise ValueError(
@@ -62,15 +77,18 @@ class CaptureManager:
         self.forward = forward
         self.inputs = inputs
         self.config = config
-        self.prepare = prepare or (lambda step, rows: None)
+        self.prepare = prepare or (lambda step, padding: None)
         self.dummy_step = dummy_step
+        self.before_capture = before_capture
         self.buckets = bucket_list(config)
+        self.whole_buckets = whole_graph_buckets(config, request_capacity)
         self.device = inputs.device
         self.stats = CaptureStats()
         self.registry = StorageRegistry()
         self.registry.add("static_inputs", inputs.tensors())
         self.failures: dict[Key, str] = {}
         self._graphs: dict[Key, BreakableGraph] = {}
+        self._unavailable: set[Key] = set()  # skipped (splices not graph-safe) or dropped by validation
         self._pool: Any = None
         self._captured = False
         self._stale: str | None = None
@@ -94,27 +112,57 @@ class CaptureManager:
         """The captured graph of a bucket, if any (for inspection and tests)."""
         return self._graphs.get((bucket, full))
 
-    def _keys(self) -> list[Key]:
+    def keys(self) -> list[Key]:
         """(bucket, whole graph) pairs to capture, largest bucket first."""
-        keys = [(b, False) for b in self.buckets]
-        if self.config.full_graph_decode:
-            limit = self.config.full_graph_max_tokens or self.buckets[-1]
-            keys += [(b, True) for b in self.buckets if b <= limit]
+        keys = [(b, False) for b in self.buckets] + [(b, True) for b in self.whole_buckets]
         return sorted(keys, key=lambda k: (-k[0], k[1]))
+
+    # ---------------------------------------------------------------- padding
+    def padding_for(self, step: Step) -> Padding:
+        """The one padding decision for ``step`` (see ``_decide``)."""
+        return self._decide(step)[0]
+
+    def _decide(self, step: Step) -> tuple[Padding, Key | None]:
+        """The smallest whole decode graph holding a uniform decode step, else the smallest
+        segmented bucket, else unpadded eager (key ``None``)."""
+        n, s = step.num_tokens, step.num_seqs
+        if self.config.enabled:
+            if step.uniform_decode and self.whole_buckets:
+                b = bucket_for(n, self.whole_buckets)
+                if b is not None and self._available((b, True)):
+                    return Padding.bucketed(n, s, b, whole_graph=True), (b, True)
+            b = bucket_for(n, self.buckets)
+            if b is not None and self._available((b, False)):
+                return Padding.bucketed(n, s, b, whole_graph=False), (b, False)
+        return Padding.unpadded(n, s), None
+
+    def _available(self, key: Key) -> bool:
+        if key in self._unavailable:
+            return False
+        return key in self._graphs if self.uses_graphs else True
 
     # ---------------------------------------------------------------- capture
     def capture(self) -> None:
         """Warm up every bucket eagerly on a side stream, then capture largest first into one pool.
+
+        In debug-eager mode nothing is captured; each whole-graph bucket is run once, guarded,
+        to learn (as a GPU warm-up would) which ones the splices allow.
 
         Raises:
             CaptureViolation: producer code synced with the host or read a CPU tensor; the
                 error names the segment and the op. The manager is left with no graphs.
         """
         if not self.uses_graphs:
+            if self.config.enabled and self.dummy_step is not None:
+                for key in (k for k in self.keys() if k[1] and k not in self._unavailable):
+                    step = self.dummy_step(*key)
+                    self._mark_unsafe(key, self._run_padded(step, self._padding_of(step, key), guard=True)[1])
             return
         if self.dummy_step is None:
-            raise ValueError("CaptureManager.capture() needs dummy_step(bucket, uniform_decode) to build capture inputs")
+            raise ValueError("CaptureManager.capture() needs dummy_step(bucket, whole_graph) to build capture inputs")
         self._release()
+        if self.before_capture is not None:
+            self.before_capture(self)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         keys = self._warm_up(stream)
@@ -133,42 +181,58 @@ class CaptureManager:
         if self.config.validate:
             self.validate()
 
+    def _padding_of(self, step: Step, key: Key) -> Padding:
+        return Padding.bucketed(step.num_tokens, step.num_seqs, key[0], whole_graph=key[1])
+
     def _warm_up(self, stream: torch.cuda.Stream) -> list[Key]:
         """Eager runs per key (Triton autotune, flashinfer JIT, allocator warm-up) under the
-        capture guard; returns the keys worth capturing (whole graphs only through graph-safe splices)."""
+        capture guard; returns the keys worth capturing (whole graphs only where every splice
+        is graph-safe for that bucket)."""
         keys = []
         with torch.cuda.stream(stream):
-            for bucket, full in self._keys():
-                stats = self.stats.bucket(bucket, full)
-                step = self.dummy_step(bucket, full)
+            for key in self.keys():
+                step = self.dummy_step(*key)
                 for _ in range(self.config.warmup_steps):
-                    _, splices = self._run_padded(step, bucket, guard=True)
-                unsafe = sorted({op.name for op in splices if not op.graph_safe_decode})
-                if full and unsafe:
-                    stats.status, stats.reason = "skipped", f"splices not graph-safe for decode: {', '.join(unsafe)}"
+                    _, driver = self._run_padded(step, self._padding_of(step, key), guard=True)
+                if key[1] and self._mark_unsafe(key, driver):
                     continue
-                keys.append((bucket, full))
+                keys.append(key)
         torch.cuda.synchronize(self.device)
         return keys
 
+    def _mark_unsafe(self, key: Key, driver: EagerDriver) -> bool:
+        """Skip a whole-graph key whose splices are not graph-safe for it; True when skipped."""
+        if not driver.unsafe:
+            return False
+        stats = self.stats.bucket(*key)
+        stats.status, stats.reason = "skipped", f"splices not graph-safe for decode: {', '.join(sorted(driver.unsafe))}"
+        self._unavailable.add(key)
+        return True
+
     def _capture_one(self, key: Key, stream: torch.cuda.Stream) -> None:
-        bucket, full = key
-        step = self.dummy_step(bucket, full)
-        with step_context(step, None):
-            self.prepare(step, bucket)
-        views = self.inputs.copy_in(step.inputs, step.num_tokens, bucket)
-        graph = capture_bucket(self.forward, views, step, bucket, self._pool, stream, full)
+        step = self.dummy_step(*key)
+        padding = self._padding_of(step, key)
+        with step_context(step, padding):
+            self.prepare(step, padding)
+        views = self.inputs.copy_in(step.inputs, padding)
+        graph = capture_bucket(self.forward, views, step, padding, self._pool, stream, self.config.guard_producers)
         self._graphs[key] = graph
-        stats = self.stats.bucket(bucket, full)
+        stats = self.stats.bucket(*key)
         stats.status, stats.reason = "captured", ""
         stats.capture_ms, stats.memory_mib = graph.capture_ms, graph.memory_bytes / 2**20
         stats.segments, stats.splices = graph.num_segments, len(graph.splice_names)
         self.stats.capture_ms += graph.capture_ms
         self.stats.memory_mib += stats.memory_mib
 
+    def release(self) -> None:
+        """Drop every graph and the pool now (their memory returns to the allocator); the next
+        ``run`` captures again."""
+        self._release()
+
     def _release(self) -> None:
         """Drop every graph and the pool; stale addresses are never replayed."""
         self._graphs.clear()
+        self._unavailable.clear()
         self._pool = None
         self._captured = False
 
@@ -190,66 +254,70 @@ class CaptureManager:
         when replayed: consume it before the next step).
         """
         n = step.num_tokens
-        bucket = bucket_for(n, self.buckets)
+        if self.uses_graphs:
+            if self._stale is not None:
+                raise RuntimeError(
+                    f"captured graphs are stale ({self._stale}) and recapture_on_invalidation is off; "
+                    f"call CaptureManager.capture() again"
+                )
+            if not self._captured:
+                self.capture()
+            moved = self.registry.changed()
+            if moved is not None:
+                self.invalidate(moved)
+                return self.run(step)
+        padding, key = self._decide(step)
+        if key is None:
+            self._count_eager(step)
+            return self._run_unpadded(step, padding)
+        stats = self.stats.bucket(*key)
+        self._count(stats, n, padding.rows)
+        if not self.uses_graphs:  # debug-eager, or no GPU: the same padding and splice path
+            stats.status = "eager"
+            out, driver = self._run_padded(step, padding, guard=True)
+            if padding.whole_graph:
+                self._mark_unsafe(key, driver)  # later steps of this size mirror the segmented graph
+            return _rows(out, n)
+        return _rows(self._replay(self._graphs[key], step, padding), n)
+
+    def _count_eager(self, step: Step) -> None:
         if not self.config.enabled:
             self.stats.eager_steps += 1
-            return self._run_unpadded(step)
-        if bucket is None:
+        elif bucket_for(step.num_tokens, self.buckets) is None:
             self.stats.fallbacks += 1
-            return self._run_unpadded(step)
-        full = step.uniform_decode and self.config.full_graph_decode
-        if not self.uses_graphs:  # debug-eager, or no GPU: same padding and splice path
-            stats = self.stats.bucket(bucket, full)
-            stats.status = "eager"
-            self._count(stats, n, bucket)
-            out, _ = self._run_padded(step, bucket, guard=True)
-            return _rows(out, n)
-        if self._stale is not None:
-            raise RuntimeError(
-                f"captured graphs are stale ({self._stale}) and recapture_on_invalidation is off; "
-                f"call CaptureManager.capture() again"
-            )
-        if not self._captured:
-            self.capture()
-        moved = self.registry.changed()
-        if moved is not None:
-            self.invalidate(moved)
-            return self.run(step)
-        graph = self._graphs.get((bucket, full)) or self._graphs.get((bucket, False))
-        if graph is None:
+        else:
             self.stats.dropped_fallbacks += 1
-            return self._run_unpadded(step)
-        self._count(self.stats.bucket(bucket, graph.full), n, bucket)
-        return _rows(self._replay(graph, step), n)
 
     def _count(self, stats: Any, n: int, bucket: int) -> None:
         stats.hits += 1
         stats.real_tokens += n
         stats.padded_tokens += bucket - n
 
-    def _replay(self, graph: BreakableGraph, step: Step) -> Any:
-        with torch.no_grad(), step_context(step, None):
-            self.prepare(step, graph.bucket)
-            self.inputs.copy_in(step.inputs, step.num_tokens, graph.bucket)
+    def _replay(self, graph: BreakableGraph, step: Step, padding: Padding) -> Any:
+        with torch.no_grad(), step_context(step, padding):
+            self.prepare(step, padding)
+            self.inputs.copy_in(step.inputs, padding)
             return graph.replay()
 
-    def _run_unpadded(self, step: Step) -> Any:
-        with step_context(step, None):
-            self.prepare(step, step.num_tokens)
-        out, _ = run_eager(self.forward, self.inputs.eager_inputs(step.inputs, step.num_tokens), step, guard=None)
+    def _run_unpadded(self, step: Step, padding: Padding | None = None) -> Any:
+        padding = padding or Padding.unpadded(step.num_tokens, step.num_seqs)
+        with step_context(step, padding):
+            self.prepare(step, padding)
+        out, _ = run_eager(self.forward, self.inputs.eager_inputs(step.inputs, step.num_tokens), step, padding, None)
         return out
 
-    def _run_padded(self, step: Step, bucket: int, guard: bool) -> tuple[Any, list]:
-        with step_context(step, None):
-            self.prepare(step, bucket)
-        views = self.inputs.copy_in(step.inputs, step.num_tokens, bucket)
-        return run_eager(self.forward, views, step, CaptureGuard(self.device) if guard else None)
+    def _run_padded(self, step: Step, padding: Padding, guard: bool) -> tuple[Any, EagerDriver]:
+        with step_context(step, padding):
+            self.prepare(step, padding)
+        views = self.inputs.copy_in(step.inputs, padding)
+        checker = CaptureGuard(self.device) if guard and self.config.guard_producers else None
+        return run_eager(self.forward, views, step, padding, checker, capturing=guard)
 
     # ------------------------------------------------------------- validation
     def validate(self, sample_step: DummyStep | None = None) -> dict[Key, str]:
         """Replay vs eager on identical inputs for every captured graph.
 
-        For each graph, ``sample_step(bucket, full)`` (default: ``dummy_step``) is run once
+        For each graph, ``sample_step(bucket, whole)`` (default: ``dummy_step``) is run once
         eagerly and unpadded, and once through the graph; outputs must agree within the
         dtype's tolerance, mutable state (caches) must match, and the graph may not touch any
         element eager left unchanged (padded rows write nothing). State is restored after
@@ -258,7 +326,7 @@ class CaptureManager:
         """
         sample_step = sample_step or self.dummy_step
         if sample_step is None:
-            raise ValueError("validate() needs sample_step(bucket, uniform_decode)")
+            raise ValueError("validate() needs sample_step(bucket, whole_graph)")
         failures: dict[Key, str] = {}
         state = self.registry.mutable_state()
         for key, graph in sorted(self._graphs.items(), key=lambda kv: kv[0]):
@@ -269,7 +337,7 @@ class CaptureManager:
             eager_state = {k: t.clone() for k, t in state.items()}
             for k, t in state.items():
                 t.copy_(before[k])
-            graph_out = _rows(self._replay(graph, step), n)
+            graph_out = _rows(self._replay(graph, step, self._padding_of(step, key)), n)
             problems = compare_outputs(eager_out, graph_out) + compare_state(before, eager_state, state)
             for k, t in state.items():
                 t.copy_(before[k])
@@ -277,6 +345,7 @@ class CaptureManager:
                 reason = "; ".join(problems)
                 failures[key] = reason
                 del self._graphs[key]
+                self._unavailable.add(key)
                 stats = self.stats.bucket(*key)
                 stats.status, stats.reason = "dropped", reason
         self.failures.update(failures)

@@ -7,7 +7,7 @@ import os
 import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from rich.console import Console
@@ -27,12 +27,20 @@ class Coverage:
     """
 
     unit: str
+    layers: int | None = None
     in_graphs: int = 0
     in_graphs_us: float = 0.0
     eager: int = 0
     eager_us: float = 0.0
     eager_by_site: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     eager_us_by_site: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    graph_by_name: Counter = field(default_factory=Counter)  # what the graphs replay (GPU) / producer ops (CPU)
+    graph_us_by_name: Counter = field(default_factory=Counter)
+
+    @property
+    def busy_us(self) -> float:
+        """GPU time of every kernel of the step, in graphs and eager (CPU: aten op time)."""
+        return self.in_graphs_us + self.eager_us
 
     @property
     def fraction_in_graphs(self) -> float:
@@ -53,6 +61,10 @@ class Coverage:
             "fraction_in_graphs": round(self.fraction_in_graphs, 4),
             "eager_by_site": {k: dict(v) for k, v in self.eager_by_site.items()},
             "eager_us_by_site": {k: {n: round(t, 2) for n, t in v.items()} for k, v in self.eager_us_by_site.items()},
+            "layers": self.layers,
+            "busy_us": round(self.busy_us, 2),
+            "graph_kernels": {n: dict(count=c, us=round(self.graph_us_by_name[n], 2))
+                              for n, c in self.graph_by_name.most_common()},
         }
 
 
@@ -63,11 +75,12 @@ def _site(ts: float, ranges: list[tuple[float, float, str]]) -> str:
     return "outside splices (input copy-in, plan)"
 
 
-def measure_coverage(manager: Any, step: Step) -> Coverage:
+def measure_coverage(manager: Any, step: Step, layers: int | None = None) -> Coverage:
     """Profile ``manager.run(step)`` once and attribute every kernel (GPU) or aten op (CPU).
 
-    A GPU kernel whose launch is a ``cudaGraphLaunch`` ran inside a graph; any other kernel
-    ran eagerly and is attributed to the splice range (or neither) that launched it.
+    A GPU kernel whose launch is a ``cudaGraphLaunch`` ran inside a graph (counted per kernel
+    name for ``kernel_table``); any other kernel ran eagerly and is attributed to the splice
+    range (or neither) that launched it. ``layers``: per-layer figures in the tables.
     """
     cuda = manager.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -86,7 +99,7 @@ def measure_coverage(manager: Any, step: Step) -> Coverage:
         for e in events
         if e.get("cat") == "user_annotation" and e["name"].startswith("graphcap.splice:")
     )
-    cov = Coverage(unit="kernels" if cuda else "aten ops")
+    cov = Coverage(unit="kernels" if cuda else "aten ops", layers=layers)
     if cuda:
         launches = {
             e["args"]["correlation"]: e
@@ -98,6 +111,8 @@ def measure_coverage(manager: Any, step: Step) -> Coverage:
             if launch is not None and launch["name"] == _GRAPH_LAUNCH:
                 cov.in_graphs += 1
                 cov.in_graphs_us += k["dur"]
+                cov.graph_by_name[k["name"][:100]] += 1
+                cov.graph_us_by_name[k["name"][:100]] += k["dur"]
             else:
                 cov.eager += 1
                 cov.eager_us += k["dur"]
@@ -110,6 +125,8 @@ def measure_coverage(manager: Any, step: Step) -> Coverage:
             if site.startswith("outside"):
                 cov.in_graphs += 1  # producer code: what a GPU run would capture
                 cov.in_graphs_us += op["dur"]
+                cov.graph_by_name[op["name"]] += 1
+                cov.graph_us_by_name[op["name"]] += op["dur"]
             else:
                 cov.eager += 1
                 cov.eager_us += op["dur"]
@@ -157,8 +174,43 @@ def coverage_table(cov: Coverage, per_site: int = 8) -> Table:
     return table
 
 
+def kernel_table(cov: Coverage, top: int = 25) -> Table:
+    """What the graphs replay, by kernel name: count and GPU time per step and per layer
+    (CPU: the producer aten ops), the ``top`` most expensive first."""
+    per = cov.layers or 0
+    table = Table(title=f"inside graphs, by {cov.unit[:-1]} ({cov.in_graphs} {cov.unit}, {cov.in_graphs_us:.0f} us"
+                        + (f", {cov.layers} layers" if per else "") + ")")
+    table.add_column("name")
+    for col in ("count", "us") + (("per layer", "us / layer") if per else ()) + ("share",):
+        table.add_column(col, justify="right")
+    ranked = sorted(cov.graph_by_name, key=lambda n: -cov.graph_us_by_name[n])
+    for name in ranked[:top]:
+        c, us = cov.graph_by_name[name], cov.graph_us_by_name[name]
+        extra = (f"{c / per:.1f}", f"{us / per:.1f}") if per else ()
+        table.add_row(name[:70], str(c), f"{us:.1f}", *extra, f"{100 * us / max(cov.in_graphs_us, 1e-9):.1f}%")
+    if len(ranked) > top:
+        rest = ranked[top:]
+        table.add_row(f"{len(rest)} more names", str(sum(cov.graph_by_name[n] for n in rest)),
+                      f"{sum(cov.graph_us_by_name[n] for n in rest):.1f}", *(("", "") if per else ()), "")
+    return table
+
+
+def choices_table(choices: Mapping[Any, Any]) -> Table:
+    """Validated kernel choices (``graphcap.tuning.KernelTuner.choices``): per op and shape, the
+    chosen candidate, the passing ones' times and every rejected one with its reason."""
+    table = Table(title="kernel choices (validated against the reference before use)")
+    for col in ("op", "shape", "chosen", "passing (us)", "rejected"):
+        table.add_column(col, justify="right" if col == "shape" else "left")
+    for c in choices.values():
+        times = ", ".join(f"{n} {t:.1f}" if t is not None else n for n, t in c.timings_us.items())
+        rejected = "; ".join(f"{n}: {why}" for n, why in c.rejected.items()) or "-"
+        table.add_row(c.op, str(c.key), c.chosen, times, rejected[:80])
+    return table
+
+
 def print_report(manager: Any, coverage: Coverage | None = None, console: Console | None = None) -> None:
     console = console or Console()
     console.print(stats_table(manager))
     if coverage is not None:
         console.print(coverage_table(coverage))
+        console.print(kernel_table(coverage))

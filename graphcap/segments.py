@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .buckets import Padding
 from .guard import CaptureGuard
 from .splice import SpliceOp, Step, call_splice, nvtx_range, step_context
 
@@ -80,17 +81,19 @@ class BreakableGraph:
 class _Recorder:
     """Splice driver for capture: closes and reopens graph segments around each splice."""
 
-    def __init__(self, pool: Any, guard: CaptureGuard, full: bool) -> None:
+    def __init__(self, pool: Any, guard: CaptureGuard | None, padding: Padding) -> None:
         self.pool = pool
         self.guard = guard
-        self.full = full
+        self.padding = padding
+        self.full = padding.whole_graph
         self.items: list[GraphSegment | SpliceCall] = []
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
         index = len([i for i in self.items if isinstance(i, GraphSegment)])
-        self.guard.segment = f"segment {index} (after {self._last_splice()})"
+        if self.guard is not None:
+            self.guard.segment = f"segment {index} (after {self._last_splice()})"
         self._graph.capture_begin(pool=self.pool)
 
     def end(self) -> None:
@@ -115,32 +118,41 @@ class _Recorder:
 
     def on_splice(self, op: SpliceOp, fn: Callable[..., None], args: tuple, kwargs: dict) -> None:
         if self.full:
-            if not op.graph_safe_decode:
+            if not op.graph_safe(args, self.padding):
                 raise RuntimeError(
-                    f"splice point {op.name!r} is not graph-safe for decode; a whole-graph capture "
-                    f"cannot pass through it (declare graph_safe_decode=True only if it reads all "
-                    f"per-request state from fixed device buffers)"
+                    f"splice point {op.name!r} is not graph-safe for a whole decode graph of "
+                    f"{self.padding.rows} rows; a whole-graph capture cannot pass through it (declare "
+                    f"graph_safe_decode only where it reads all per-request state from fixed device buffers)"
                 )
-            with self.guard.paused():
+            with _paused(self.guard):
                 return call_splice(op, fn, args, kwargs)
         self.end()
         self.items.append(SpliceCall(op, fn, args, kwargs))
-        with self.guard.paused():
+        with _paused(self.guard):
             call_splice(op, fn, args, kwargs)
         self.begin()
         return None
 
 
+def _paused(guard: CaptureGuard | None) -> contextlib.AbstractContextManager:
+    return guard.paused() if guard is not None else contextlib.nullcontext()
+
+
 class EagerDriver:
     """Splice driver for eager runs (warm-up, debug-eager, fallback): calls each op in order,
-    with producer code under the guard when one is given."""
+    with producer code under the guard when one is given, and records which ops were hit and
+    whether each is graph-safe for a whole decode graph of this padding."""
 
-    def __init__(self, guard: CaptureGuard | None = None) -> None:
+    def __init__(self, padding: Padding, guard: CaptureGuard | None = None) -> None:
         self.guard = guard
+        self.padding = padding
         self.splices: list[SpliceOp] = []
+        self.unsafe: set[str] = set()
 
     def on_splice(self, op: SpliceOp, fn: Callable[..., None], args: tuple, kwargs: dict) -> None:
         self.splices.append(op)
+        if not op.graph_safe(args, self.padding):
+            self.unsafe.add(op.name)
         if self.guard is None:
             return call_splice(op, fn, args, kwargs)
         with self.guard.paused():
@@ -149,17 +161,23 @@ class EagerDriver:
         return result
 
 
-def run_eager(forward: Forward, inputs: dict[str, torch.Tensor], step: Step, guard: CaptureGuard | None) -> tuple[Any, list[SpliceOp]]:
-    """Run the forward eagerly through the splice path; returns its output and the splices hit."""
-    driver = EagerDriver(guard)
-    with torch.no_grad(), step_context(step, driver, capturing=guard is not None):
+def run_eager(forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding,
+              guard: CaptureGuard | None, capturing: bool | None = None) -> tuple[Any, EagerDriver]:
+    """Run the forward eagerly through the splice path; returns its output and the driver
+    (splices hit, and those not graph-safe for a whole graph of ``padding``).
+
+    ``capturing`` (default: a guard is given): producer code must not read the step (as in a
+    capture), whether or not the guard checks its ops."""
+    driver = EagerDriver(padding, guard)
+    capturing = guard is not None if capturing is None else capturing
+    with torch.no_grad(), step_context(step, padding, driver, capturing=capturing):
         if guard is None:
             out = forward(inputs)
         else:
             guard.segment = "segment 0 (after the start of the forward)"
             with guard:
                 out = forward(inputs)
-    return out, driver.splices
+    return out, driver
 
 
 @contextlib.contextmanager
@@ -179,23 +197,26 @@ def frozen_gc() -> Iterator[None]:
 
 
 def capture_bucket(
-    forward: Forward, inputs: dict[str, torch.Tensor], step: Step, bucket: int, pool: Any, stream: torch.cuda.Stream, full: bool
+    forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding, pool: Any, stream: torch.cuda.Stream,
+    guard: bool = True,
 ) -> BreakableGraph:
-    """Capture one bucket's forward on ``stream`` into ``pool``.
+    """Capture one bucket's forward (``padding.rows`` rows; a whole graph if
+    ``padding.whole_graph``) on ``stream`` into ``pool``, producer code under the capture
+    guard unless ``guard`` is False.
 
     Raises:
         CaptureViolation: producer code synced with the host or read a CPU tensor.
         RuntimeError: a whole-graph capture met a splice that is not graph-safe.
     """
-    guard = CaptureGuard(inputs[next(iter(inputs))].device)
-    recorder = _Recorder(pool, guard, full)
+    checker = CaptureGuard(inputs[next(iter(inputs))].device) if guard else None
+    recorder = _Recorder(pool, checker, padding)
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()
-    with torch.no_grad(), torch.cuda.stream(stream), step_context(step, recorder, capturing=True):
+    with torch.no_grad(), torch.cuda.stream(stream), step_context(step, padding, recorder, capturing=True):
         try:
             recorder.begin()
-            with guard:
+            with checker if checker is not None else contextlib.nullcontext():
                 out = forward(inputs)
             recorder.end()
         except BaseException:
@@ -203,8 +224,8 @@ def capture_bucket(
             raise
     torch.cuda.synchronize()
     return BreakableGraph(
-        bucket=bucket,
-        full=full,
+        bucket=padding.rows,
+        full=padding.whole_graph,
         items=recorder.items,
         output=out,
         capture_ms=(time.perf_counter() - start) * 1e3,

@@ -7,8 +7,9 @@ captured graph segments. It is declared once, where it is defined::
     def sparse_attention(self, layer: int, q: Tensor, out: Tensor) -> None: ...
 
 Its contract: it reads only the tensors it was passed (fixed addresses while graphs live) and
-this step's metadata (``current_step()`` or backend state set by ``plan``); it writes its
-result into a caller-owned buffer and returns ``None``, so no Python value crosses a break.
+this step's metadata, read through ``current_step()`` (the one channel graphcap watches: a
+read from captured producer code raises, naming the read); it writes its result into a
+caller-owned buffer and returns ``None``, so no Python value crosses a break.
 
 Outside a graphcap step the decorator costs one context-variable lookup and calls the op.
 """
@@ -18,39 +19,75 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Protocol, TypeVar
+import os
+import traceback
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Protocol, TypeVar, Union
 
 import torch
 
+from .buckets import Padding
+from .config import is_int
 
-@dataclass
+
+@dataclass(frozen=True)
 class Step:
     """One forward's worth of work, as the caller hands it to ``CaptureManager.run``.
 
     Attributes:
         num_tokens: real (unpadded) tokens in the flattened batch.
+        num_seqs: requests in the batch (request rows of the attention metadata).
         inputs: per-token input tensors keyed by static-input name, each with ``num_tokens``
-            leading rows (e.g. ``input_ids [T]``, ``positions [T]``, ``slot_mapping [T]``).
-        uniform_decode: every request contributes the same small number of query tokens and
-            the attention backends can read all per-request state from fixed device buffers,
-            so a whole-graph capture is allowed.
+            leading rows (e.g. ``input_ids [T]``, ``positions [T]``, ``slot_mapping [T]``);
+            stored read-only.
+        uniform_decode: every request contributes exactly one query token and the attention
+            backends can read all per-request state from fixed device buffers, so a whole
+            decode graph may run the step. The one place this fact lives.
         metadata: whatever the splice points need for this step (e.g. attention metadata);
             graphcap never looks inside it.
     """
 
     num_tokens: int
+    num_seqs: int
     inputs: Mapping[str, torch.Tensor]
     uniform_decode: bool = False
     metadata: Any = None
 
+    def __post_init__(self) -> None:
+        if not is_int(self.num_tokens) or self.num_tokens < 1:
+            raise ValueError(f"Step.num_tokens must be a positive int, got {self.num_tokens!r}")
+        if not is_int(self.num_seqs) or not 1 <= self.num_seqs <= self.num_tokens:
+            raise ValueError(f"Step.num_seqs must be an int in [1, num_tokens={self.num_tokens}], got {self.num_seqs!r}")
+        if self.uniform_decode and self.num_seqs != self.num_tokens:
+            raise ValueError(f"a uniform decode step has one token per request; got {self.num_tokens} tokens for "
+                             f"{self.num_seqs} requests")
+        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
+
+
+GraphSafety = Union[bool, Callable[[Any, Padding], bool]]
+
 
 @dataclass(frozen=True)
 class SpliceOp:
-    """What a splice point declares about itself."""
+    """What a splice point declares about itself.
+
+    ``graph_safe_decode`` is a bool, or ``f(owner, padding) -> bool`` asked per bucket (``owner``
+    is the object whose method is the splice): an op may be graph-safe for some whole decode
+    graphs and not others (a backend with graph-mode state for a fixed set of batch sizes).
+    """
 
     name: str
-    graph_safe_decode: bool = False
+    graph_safe_decode: GraphSafety = False
+
+    def graph_safe(self, args: tuple, padding: Padding) -> bool:
+        """Whether a whole decode graph of ``padding`` may capture this call."""
+        safe = self.graph_safe_decode
+        if callable(safe):
+            if not args:
+                raise TypeError(f"splice {self.name!r} asks its owner about graph safety but was called without one")
+            return bool(safe(args[0], padding))
+        return safe
 
 
 class SpliceDriver(Protocol):
@@ -62,19 +99,20 @@ class SpliceDriver(Protocol):
 @dataclass
 class _StepState:
     step: Step
+    padding: Padding
     driver: SpliceDriver | None
-    capturing: bool = False  # inside a breakable capture: metadata reads must happen in splices
+    capturing: bool = False  # producer code is being recorded: step reads must happen in splices
     splice_depth: int = 0
-    seen: list[SpliceOp] = field(default_factory=list)
 
 
 _STATE: contextvars.ContextVar[_StepState | None] = contextvars.ContextVar("graphcap_step", default=None)
 
 
 @contextlib.contextmanager
-def step_context(step: Step, driver: SpliceDriver | None, capturing: bool = False) -> Iterator[_StepState]:
-    """Make ``step`` current and route splice calls to ``driver`` for the duration."""
-    state = _StepState(step=step, driver=driver, capturing=capturing)
+def step_context(step: Step, padding: Padding, driver: SpliceDriver | None = None,
+                 capturing: bool = False) -> Iterator[_StepState]:
+    """Make ``step`` (run as ``padding``) current and route splice calls to ``driver``."""
+    state = _StepState(step=step, padding=padding, driver=driver, capturing=capturing)
     token = _STATE.set(state)
     try:
         yield state
@@ -84,7 +122,7 @@ def step_context(step: Step, driver: SpliceDriver | None, capturing: bool = Fals
 
 @contextlib.contextmanager
 def inside_splice() -> Iterator[None]:
-    """Mark the running code as a splice body: metadata reads are allowed here."""
+    """Mark the running code as a splice body: step reads are allowed here."""
     state = _STATE.get()
     if state is None:
         yield
@@ -96,32 +134,60 @@ def inside_splice() -> Iterator[None]:
         state.splice_depth -= 1
 
 
-def current_step() -> Step:
-    """This step, for splice bodies and ``plan`` code.
+def _user_frame(skip: int) -> str:
+    """The innermost frame outside graphcap, after ``skip`` more (accessors that wrap the read)."""
+    frames = [f for f in reversed(traceback.extract_stack())
+              if os.sep + "graphcap" + os.sep not in f.filename and "contextlib" not in f.filename]
+    if len(frames) <= skip:
+        return "<unknown>"
+    f = frames[skip]
+    return f"{f.filename}:{f.lineno} ({f.name}: {f.line})"
+
+
+def _state(what: str, skip: int = 0) -> _StepState:
+    """The active step for a read of ``what``; the one check every step read goes through.
 
     Raises:
-        RuntimeError: no step is active, or the call comes from captured producer code (a
-            metadata read there would be frozen into the graph).
+        RuntimeError: no step is active, or captured producer code made the read (its value
+            would be frozen into the graph).
     """
     state = _STATE.get()
     if state is None:
-        raise RuntimeError("graphcap.current_step() called outside a step; run the forward through CaptureManager.run")
+        raise RuntimeError(f"{what} read outside a step; run the forward through CaptureManager.run")
     if state.capturing and state.splice_depth == 0:
         raise RuntimeError(
-            "step metadata was read by captured producer code; the value would be frozen into the "
-            "graph. Move that read into an op decorated with @graphcap.splice"
+            f"{what} was read by captured producer code at {_user_frame(skip)}; the value would be frozen "
+            f"into the graph. Move that read into an op decorated with @graphcap.splice"
         )
-    return state.step
+    return state
 
 
-def splice(name: str, *, graph_safe_decode: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def current_step(what: str = "graphcap.current_step()", skip_frames: int = 0) -> Step:
+    """This step, for splice bodies and ``prepare``/``plan`` code (the one metadata channel).
+
+    Args:
+        what: how the caller names the read in errors (e.g. ``"AttentionBackend.meta"``).
+        skip_frames: frames of accessors between the read and the code to blame in errors.
+    Raises:
+        RuntimeError: see ``_state``.
+    """
+    return _state(what, skip_frames).step
+
+
+def current_padding(what: str = "graphcap.current_padding()", skip_frames: int = 0) -> Padding:
+    """This step's padding decision (rows, request rows, whole graph); same rules as ``current_step``."""
+    return _state(what, skip_frames).padding
+
+
+def splice(name: str, *, graph_safe_decode: GraphSafety = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Declare a request-dependent op as a splice point.
 
     Args:
         name: shown in errors, stats and NVTX ranges (e.g. ``"attention.sparse"``).
         graph_safe_decode: the op reads all per-request state from fixed-size device buffers
             and launches grids fixed by shape for uniform decode steps, so whole decode graphs
-            may capture through it.
+            may capture through it: a bool, or ``f(owner, padding) -> bool`` answered per
+            bucket (see ``SpliceOp``).
     """
     op = SpliceOp(name, graph_safe_decode)
 
@@ -132,7 +198,6 @@ def splice(name: str, *, graph_safe_decode: bool = False) -> Callable[[Callable[
             if state is None or state.driver is None or state.splice_depth > 0:
                 result = fn(*args, **kwargs)
             else:
-                state.seen.append(op)
                 result = state.driver.on_splice(op, fn, args, kwargs)
             if result is not None:
                 raise RuntimeError(

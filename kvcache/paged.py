@@ -24,6 +24,8 @@ from typing import Hashable
 
 import torch
 
+from graphcap.config import int_tuple, is_int
+
 
 @dataclass(frozen=True)
 class KVCacheConfig:
@@ -65,13 +67,10 @@ class KVCacheConfig:
         for name in ("num_layers", "num_kv_heads", "head_dim", "index_dim", "page_size", "num_pages",
                      "max_seqs", "max_pages_per_seq"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"KVCacheConfig.{name} must be a positive int, got {v!r}")
-        if isinstance(self.sparse_layers, list):
-            object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
-        sl = self.sparse_layers
-        if not isinstance(sl, tuple) or any(not isinstance(x, int) or isinstance(x, bool) for x in sl):
-            raise ValueError(f"KVCacheConfig.sparse_layers must be a tuple of ints, got {sl!r}")
+        sl = int_tuple("KVCacheConfig.sparse_layers", self.sparse_layers)
+        object.__setattr__(self, "sparse_layers", sl)
         if list(sl) != sorted(set(sl)) or (sl and (sl[0] < 0 or sl[-1] >= self.num_layers)):
             raise ValueError(
                 f"KVCacheConfig.sparse_layers must be strictly increasing layer ids in "
@@ -87,7 +86,7 @@ class KVCacheConfig:
         if self.seq_slot_headroom is None:
             object.__setattr__(self, "seq_slot_headroom", self.max_seqs)
         h = self.seq_slot_headroom
-        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+        if not is_int(h) or h < 0:
             raise ValueError(f"KVCacheConfig.seq_slot_headroom must be an int >= 0, got {h!r}")
 
     @property
@@ -139,6 +138,7 @@ class PagedKVCache:
         self._free_rows: list[int] = list(range(c.max_live_seqs - 1, -1, -1))
         self._pages: dict[Hashable, list[int]] = {}
         self._row: dict[Hashable, int] = {}
+        self._written: dict[Hashable, int] = {}  # positions < this hold this sequence's K/V
 
     # ---- bookkeeping (host) -------------------------------------------------------------
 
@@ -187,6 +187,7 @@ class PagedKVCache:
         row = self._free_rows.pop()
         self._row[seq_id] = row
         self._pages[seq_id] = []
+        self._written[seq_id] = 0
         return row
 
     def seq_slot(self, seq_id: Hashable) -> int:
@@ -197,6 +198,29 @@ class PagedKVCache:
     def num_reserved_tokens(self, seq_id: Hashable) -> int:
         """Positions ``< this`` have pages."""
         return len(self._check_seq(seq_id)) * self.page_size
+
+    def num_written(self, seq_id: Hashable) -> int:
+        """Positions ``< this`` hold K/V written for ``seq_id``: the only positions attention of
+        this sequence may read (a page's later slots may hold a previous owner's data)."""
+        self._check_seq(seq_id)
+        return self._written[seq_id]
+
+    def set_written(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Record that positions ``< num_tokens`` now hold ``seq_id``'s K/V (after a step wrote
+        them), or rewind to fewer (the later positions are dropped and rewritten later).
+
+        Raises:
+            ValueError: unknown sequence, or positions beyond its reserved pages.
+        """
+        pages = self._check_seq(seq_id)
+        if not is_int(num_tokens) or not 0 <= num_tokens <= len(pages) * self.page_size:
+            raise ValueError(f"sequence {seq_id!r}: {num_tokens!r} written positions do not fit its "
+                             f"{len(pages) * self.page_size} reserved positions")
+        self._written[seq_id] = num_tokens
+
+    def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """New pages ``reserve(seq_id, num_tokens)`` would take (0 if covered); changes nothing."""
+        return max(0, -(-num_tokens // self.page_size) - len(self._check_seq(seq_id)))
 
     def pages(self, seq_id: Hashable) -> list[int]:
         """A copy of the sequence's page ids (O(pages); for tests and debugging)."""
@@ -212,7 +236,7 @@ class PagedKVCache:
             RuntimeError: not enough free pages; nothing is changed.
         """
         pages = self._check_seq(seq_id)
-        if not isinstance(num_tokens, int) or num_tokens < 0:
+        if not is_int(num_tokens) or num_tokens < 0:
             raise ValueError(f"reserve needs num_tokens >= 0, got {num_tokens!r}")
         if num_tokens > self.config.max_seq_len:
             raise ValueError(
@@ -220,7 +244,7 @@ class PagedKVCache:
                 f"max_pages_per_seq * page_size = {self.config.max_pages_per_seq} * {self.page_size} = "
                 f"{self.config.max_seq_len}; raise max_pages_per_seq"
             )
-        need = -(-num_tokens // self.page_size) - len(pages)
+        need = self.pages_needed(seq_id, num_tokens)
         if need <= 0:
             return
         if need > len(self._free_pages):
@@ -240,6 +264,7 @@ class PagedKVCache:
         pages = self._check_seq(seq_id)
         row = self._row.pop(seq_id)
         del self._pages[seq_id]
+        del self._written[seq_id]
         if pages:
             self.block_tables[row, : len(pages)] = -1
         # Reversed so the sequence's first page is the next one handed out.

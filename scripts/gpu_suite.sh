@@ -1,42 +1,51 @@
 #!/usr/bin/env bash
-# The GPU suite: every `cuda`-marked test and every benchmark, in one call, for the device
-# machine. Writes one log and the JSON results under $OUT (default ./out).
+# The GPU suite: `cuda`-marked tests and the benchmarks, in one call, for the device machine.
+# Writes suite.log and the JSON results under $OUT (default ./out).
 #
-#   scripts/gpu_suite.sh                 # tests, toy benchmark, kernel benchmark, profile
-#   scripts/gpu_suite.sh tests toy       # a subset, in the order given
+#   scripts/gpu_suite.sh                      # tests, then every benchmark
+#   scripts/gpu_suite.sh tests moe producers  # a subset, in the order given
 #
-# flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into
-# /tmp/site when present.
+# Parts: tests, toy, kernels (attention kernels), moe, routernorm, tiles, profile (16-layer
+# rank-of-8 profile), producers (60-layer producer benchmark), or a pytest path.
+# flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
+# when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 FLASHINFER_USE_CUDA_NORM=1
 if ls .whl/apache_tvm_ffi-*.whl >/dev/null 2>&1 && [ -f .whl/flashinfer-0.7.4-site.tar.xz ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/apache_tvm_ffi-*.whl \
     && tar -xJf .whl/flashinfer-0.7.4-site.tar.xz -C /tmp/site \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The package itself: on the device there is no pip install -e, so the checkout goes on the path.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests toy kernels profile)
+[ ${#parts[@]} -eq 0 ] && parts=(tests toy moe routernorm tiles profile producers)
 status=0
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
 } 2>&1 | tee "$LOG"
-# Each part gets at most PART_TIMEOUT seconds, so one hang cannot eat the whole call.
-T="timeout --signal=INT ${PART_TIMEOUT:-900}"
+budget() {  # per-part time box in seconds: PART_TIMEOUT_<PART> or the default
+  local v="PART_TIMEOUT_${1^^}"; echo "${!v:-${PART_TIMEOUT:-900}}"
+}
 for part in "${parts[@]}"; do
   echo "=== $part ($(date +%T)) ===" | tee -a "$LOG"
+  T="timeout --signal=INT $(budget "$part")"
   case "$part" in
-    tests)   $T python3 -m pytest -m cuda -q -rs --timeout 300 tests/ 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    toy)     $T python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    kernels) $T python3 benchmarks/bench_attention_kernels.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    profile) $T python3 examples/profile_forward.py --preset rank-of-8 --layers 16 --decode 1,2,4,8,16,32 --context 3000 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    *)       $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    tests)      $T python3 -m pytest -m cuda -q -rs --timeout 300 tests/ 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    toy)        $T python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    kernels)    $T python3 benchmarks/bench_attention_kernels.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    moe)        $T python3 benchmarks/bench_m3_moe.py --json "$OUT/bench_m3_moe.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    routernorm) $T python3 benchmarks/bench_m3_router_norm.py --json "$OUT/bench_m3_router_norm.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    tiles)      $T python3 benchmarks/bench_prefill_tiles.py --json "$OUT/bench_prefill_tiles.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    profile)    $T python3 examples/profile_forward.py --preset rank-of-8 --layers 16 --decode 1,2,4,8,16,32 --context 3000 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    producers)  $T python3 benchmarks/bench_m3_producers.py --json "$OUT/bench_m3_producers.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac
   echo "=== $part exit $rc ===" | tee -a "$LOG"
   [ "$rc" -ne 0 ] && status=1

@@ -1,17 +1,20 @@
+"""Test setup shared by every folder.
+
+- On machines without CUDA, Triton kernels run in the interpreter: ``TRITON_INTERPRET`` is set
+  here, before any test module imports triton (so no test needs to reload a kernel module).
+- GPU tests carry ``@pytest.mark.cuda`` (the one way to mark them) and are skipped without a GPU;
+  ``scripts/gpu_suite.sh`` runs them on the device.
+- ``tests/`` is on ``sys.path`` (pytest adds a root conftest's folder), so shared scaffolding
+  imports as ``helpers.*``; the packages themselves are installed (``pip install -e .``).
+"""
+
 import os
-import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Triton kernels run in the interpreter on CPU machines; set before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT,):
-    if path not in sys.path:
-        sys.path.insert(0, path)
 
 
 def pytest_collection_modifyitems(config, items):

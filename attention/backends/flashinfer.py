@@ -1,111 +1,284 @@
-"""The flashinfer backend: flashinfer dense paged attention, Triton sparse attention.
+"""FlashinferAttention: dense causal GQA over the paged cache with flashinfer (MiniMax-M3 layers 0..2).
 
-Dense layers (MiniMax-M3 layers 0..2) run ``FlashinferDenseAttention``; sparse layers are
-delegated to the Triton backend (``attention.triton_backend.TritonAttention``), falling back
-to the plain-torch reference with a warning when that backend cannot be imported.
+A dense-only backend: combine it with a sparse one (``LayerSplit(dense=FlashinferAttention,
+sparse=TritonAttention)``, the ``flashinfer`` kind of ``attention.registry``).
 
-Selection (``backend.make_backend``): ``"auto"`` tries ``AUTO_ORDER = ("flashinfer",
-"triton")`` on a CUDA cache; this class raises ``ImportError`` without flashinfer and
-``RuntimeError`` off CUDA, so auto falls through to Triton, and to torch on CPU.
+Plan/run split: ``plan(step, padding)`` runs once per step on the host and serves every dense
+layer; the op only launches kernels.
+
+Two kinds of flashinfer wrapper share one float workspace and the persistent page buffers:
+
+- Whole decode graphs: ``BatchDecodeWithPagedKVCacheWrapper`` in CUDA-graph mode, one per
+  whole-graph bucket the manager captures (``init_capture``). A graph-mode wrapper's batch size
+  is fixed (flashinfer takes it from the length of the ``last_page_len`` buffer); all of them
+  get views (from offset 0) of the same indptr / indices / last_page_len buffers. A captured
+  decode graph reads those fixed addresses plus the wrapper's own int workspace, which ``plan``
+  rewrites before every replay, so every wrapper stays alive (and registered through
+  ``graph_tensors``) for as long as graphs may use it. Tensor cores (the fa2 prefill kernel)
+  serve the large GQA groups (16 q heads per kv head at full width, 8 at rank-of-8) better
+  than the CUDA-core decode kernel.
+- Everything else (mixed prefill/decode chunks, decode of other batch sizes):
+  ``BatchPrefillWithPagedKVCacheWrapper``, causal, in eager mode. Those steps never run
+  inside a captured graph (the dense splice runs eagerly between graph segments).
+
+Host cost of ``plan`` is O(requests): indptr and last_page_len come from the metadata's host
+copy of ``kv_lens``; the page ids are gathered on the device from the cache's block-table
+rows, so no per-page host walk ever happens. Padded request rows have no pages: flashinfer
+attends to nothing and writes zeros to their output rows.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Sequence
+import importlib
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from graphcap.splice import splice
-
-from attention.base import AttentionBackend, TorchAttention
-from attention.backends.flashinfer_dense import FlashinferDenseAttention, import_flashinfer
+from attention.base import AttentionBackend, device_tensors
+from attention.dims import AttentionDims
+from graphcap import Padding, Step
 from kvcache.paged import PagedKVCache
-from attention.metadata import AttentionMetadata
+
+_INSTALL_HINT = "install it with the 'cuda' extra: pip install 'graphcap[cuda]' (package flashinfer-python)"
 
 
-def _sparse_backend(cache: PagedKVCache, dims: dict) -> AttentionBackend:
-    """The Triton sparse backend, or the torch reference when Triton's is missing."""
+def import_flashinfer() -> Any:
+    """The flashinfer module.
+
+    Raises:
+        ImportError: flashinfer is not installed; says how to install it.
+    """
     try:
-        from .triton_backend import TritonAttention
+        return importlib.import_module("flashinfer")
     except ImportError as e:
-        warnings.warn(
-            f"attention.triton_backend is unavailable ({e}); the flashinfer backend's sparse layers fall back "
-            f"to the torch reference, which is slow and not graph-safe for decode",
-            stacklevel=3,
-        )
-        return TorchAttention(cache, **dims)
-    return TritonAttention(cache, **dims)
+        raise ImportError(f"the flashinfer attention backend needs flashinfer: {_INSTALL_HINT} ({e})") from e
+
+
+def flashinfer_available() -> bool:
+    """True when flashinfer imports (says nothing about the GPU)."""
+    try:
+        import_flashinfer()
+    except ImportError:
+        return False
+    return True
+
+
+def paged_kv_layout(kv_lens: torch.Tensor, num_rows: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flashinfer's description of a step's pages, on the host, in O(requests).
+
+    Args:
+        kv_lens: CPU int32 ``[B]``, context length of each real request (>= 1).
+        num_rows: requests flashinfer sees (``>= B``); rows past ``B`` are padding with no pages.
+        page_size: positions per page.
+    Returns:
+        ``indptr`` int32 ``[num_rows + 1]`` (page offsets of each request) and
+        ``last_page_len`` int32 ``[num_rows]`` (positions in each request's last page, in
+        ``[1, page_size]``; 0 for padding).
+    """
+    b = kv_lens.shape[0]
+    if num_rows < b:
+        raise ValueError(f"num_rows={num_rows} is below the {b} real requests")
+    kv_lens = kv_lens.to(torch.int32)
+    pages = (kv_lens + page_size - 1) // page_size
+    indptr = torch.zeros(num_rows + 1, dtype=torch.int32)
+    indptr[1 : b + 1] = torch.cumsum(pages, 0, dtype=torch.int32)
+    indptr[b + 1 :] = indptr[b]
+    last_page_len = torch.zeros(num_rows, dtype=torch.int32)
+    last_page_len[:b] = kv_lens - (pages - 1).clamp(min=0) * page_size
+    return indptr, last_page_len
+
+
+def gather_page_indices(indptr: torch.Tensor, seq_slots: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor) -> None:
+    """Concatenated page ids of each request, gathered on the device from its block-table row.
+
+    ``out[indptr[i] + j] = block_tables[seq_slots[i], j]`` for ``j < indptr[i+1] - indptr[i]``.
+    A fixed handful of kernels whatever the batch: no host work per page.
+
+    Args:
+        indptr: int32 ``[R + 1]`` page offsets, on ``out``'s device.
+        seq_slots: int32 ``[R]`` block-table rows.
+        block_tables: int32 ``[max_seq_slots, max_pages_per_seq]``, contiguous.
+        out: int32 ``[indptr[-1]]``, written in place.
+    """
+    n = out.shape[0]
+    if n == 0:
+        return
+    pos = torch.arange(n, dtype=indptr.dtype, device=out.device)
+    req = torch.searchsorted(indptr[1:], pos, right=True)  # request owning each output entry
+    flat = seq_slots[req].long() * block_tables.shape[1] + (pos - indptr[req])
+    torch.index_select(block_tables.view(-1), 0, flat, out=out)
+
+
+class _Plan(NamedTuple):
+    wrapper: Any
+    rows: int  # q rows the wrapper reads (padded batch for decode, real tokens otherwise)
 
 
 class FlashinferAttention(AttentionBackend):
-    """flashinfer dense attention plus the Triton sparse path.
+    """flashinfer paged dense attention for the dense layers, planned once per step.
 
-    Takes ``AttentionBackend``'s arguments, plus (keyword-only) ``decode_batch_sizes``,
-    ``prefill_backend`` and ``workspace_bytes`` of ``FlashinferDenseAttention``. For whole
-    decode graphs, ``decode_batch_sizes`` must hold the capture buckets of decode steps (the
-    default is graphcap's default buckets up to ``max_tokens``).
+    Args:
+        cache: the paged cache (CUDA, bf16 or fp16); layer ``l`` reads ``k_cache[l]``/``v_cache[l]``.
+        dims: attention shapes.
+        prefill_backend: flashinfer backend of the eager wrapper (``"fa2"``; ``"fa3"`` or
+            ``"auto"`` on Hopper are faster for long chunks but JIT another module).
+        workspace_bytes: flashinfer's float workspace (split-KV partial results).
 
     Raises:
         ImportError: flashinfer is not installed (before anything is allocated).
-        RuntimeError: the cache is not on CUDA.
+        RuntimeError: the cache is not on a CUDA device.
+        ValueError: an unsupported cache dtype.
     """
 
-    def __init__(
-        self,
-        cache: PagedKVCache,
-        num_qo_heads: int,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        topk: int = 16,
-        block_size: int | None = None,
-        scale: float | None = None,
-        max_tokens: int = 512,
-        *,
-        decode_batch_sizes: Sequence[int] | None = None,
-        prefill_backend: str = "fa2",
-        workspace_bytes: int = 128 << 20,
-    ) -> None:
-        import_flashinfer()  # fail first, so "auto" moves on without allocating anything
-        if cache.block_tables.device.type != "cuda":
-            raise RuntimeError(f"the flashinfer backend needs a CUDA cache, got {cache.block_tables.device}; use 'torch' on CPU")
-        dims = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, topk=topk,
-                    block_size=block_size, scale=scale, max_tokens=max_tokens)
-        super().__init__(cache, **dims)
-        self.dense_impl = FlashinferDenseAttention(
-            cache, num_qo_heads, scale=self.scale, max_tokens=max_tokens, decode_batch_sizes=decode_batch_sizes,
-            prefill_backend=prefill_backend, workspace_bytes=workspace_bytes,
-        )
-        self.sparse_impl = _sparse_backend(cache, dims)
-        self.topk_buf = self.sparse_impl.topk_buf  # the buffer the sparse path really fills
+    def __init__(self, cache: PagedKVCache, dims: AttentionDims, *, prefill_backend: str = "fa2",
+                 workspace_bytes: int = 128 << 20) -> None:
+        self._fi = import_flashinfer()  # fail first, so "auto" moves on without allocating anything
+        device = cache.block_tables.device
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"flashinfer runs on CUDA only but the cache is on {device}; use the 'torch' or 'triton' backend there"
+            )
+        super().__init__(cache, dims)
+        c = cache.config
+        if c.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"the flashinfer dense path reads bf16/fp16 caches, got {c.dtype}")
+        self.dtype = c.dtype
+        rows = c.max_seqs + 1  # metadata request rows, padding row included
+        self._workspace_buf = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)  # zero on first use
+        self._indptr_buf = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self._last_page_len_buf = torch.zeros(rows, dtype=torch.int32, device=device)
+        # A step's requests hold distinct pages, so a step never lists more than the pool
+        # (warmup lists one page per decode row, hence the max).
+        self._indices_buf = torch.zeros(max(c.num_pages, rows), dtype=torch.int32, device=device)
+        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace_buf, "NHD", backend=prefill_backend)
+        self._decode: dict[int, Any] = {}
+        self._planned: _Plan | None = None
 
-    def plan(self, meta: AttentionMetadata) -> None:
-        """Host work for this step: the flashinfer plan (dense) and the sparse backend's plan."""
-        super().plan(meta)
-        self.dense_impl.plan(meta)
-        self.sparse_impl.plan(meta)
+    @property
+    def decode_batch_sizes(self) -> list[int]:
+        """Batch sizes with a graph-mode decode wrapper."""
+        return sorted(self._decode)
+
+    def init_capture(self, whole_graph_buckets: Sequence[int], max_seqs: int) -> None:
+        """One graph-mode decode wrapper per whole-graph bucket (kept across recaptures)."""
+        cap = self._last_page_len_buf.shape[0]
+        bad = [b for b in whole_graph_buckets if not 1 <= b <= cap]
+        if bad:
+            raise ValueError(f"whole decode graphs of {bad} requests exceed the flashinfer buffers ({cap} request "
+                             f"rows = max_seqs + 1); keep whole-graph buckets <= max_seqs")
+        for b in whole_graph_buckets:
+            if b not in self._decode:
+                self._decode[b] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace_buf,
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=True,
+                    paged_kv_indptr_buffer=self._indptr_buf[: b + 1],
+                    paged_kv_indices_buffer=self._indices_buf,
+                    paged_kv_last_page_len_buffer=self._last_page_len_buf[:b],
+                    backend="fa2",  # pinned: "auto" may route graph plans to cuDNN/XQA on some GPUs
+                )
+
+    def dense_graph_safe(self, padding: Padding) -> bool:
+        return padding.request_rows in self._decode
+
+    def plan(self, step: Step, padding: Padding) -> None:
+        """Host work for one step; every dense layer then runs with it.
+
+        A whole decode graph plans its bucket's graph-mode wrapper (request rows padded to
+        the bucket); a uniform decode step of a size with a wrapper uses it too; anything
+        else plans the eager prefill wrapper over the real requests.
+
+        Raises:
+            ValueError: metadata of another cache, or a whole decode graph without a wrapper
+                (its bucket was not given to ``init_capture``).
+        """
+        self._planned = None  # a failed plan leaves no stale plan for the op to use
+        meta = self.check_plan(step, padding)
+        rows = padding.request_rows
+        wrapper = self._decode.get(rows) if step.uniform_decode else None
+        if padding.whole_graph and wrapper is None:
+            raise ValueError(
+                f"a whole decode graph of {rows} requests has no graph-mode flashinfer wrapper (have "
+                f"{self.decode_batch_sizes}); call init_capture with the manager's whole-graph buckets"
+            )
+        indptr, last_page_len = paged_kv_layout(meta.kv_lens_host, rows, self.dims.block_size)
+        total = int(indptr[-1])
+        if total > self._indices_buf.shape[0]:
+            raise ValueError(
+                f"step lists {total} pages but the page buffer holds {self._indices_buf.shape[0]}; "
+                f"kv_lens do not match the sequences' reserved pages"
+            )
+        indptr_dev = self._indptr_buf[: rows + 1]
+        indptr_dev.copy_(indptr, non_blocking=True)
+        indices = self._indices_buf[:total]
+        gather_page_indices(indptr_dev, meta.buffers.seq_slots[:rows], meta.block_tables, indices)
+        d = self.dims
+        dims = (d.num_qo_heads, d.num_kv_heads, d.head_dim, d.block_size)
+        kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=d.scale)
+        if wrapper is not None:
+            wrapper.plan(indptr, indices, last_page_len, *dims, **kw)
+            self._planned = _Plan(wrapper, rows)
+        else:
+            b = meta.num_seqs
+            self._prefill.plan(meta.qo_indptr_host, indptr[: b + 1], indices, last_page_len[:b], *dims, causal=True, **kw)
+            self._planned = _Plan(self._prefill, meta.num_tokens)
+
+    def _dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Causal GQA of one dense layer; kernels only.
+
+        q: ``[T, num_qo_heads, head_dim]`` in the cache dtype, last dim contiguous, ``T`` at
+        least the planned rows; out: same shape, contiguous. Rows of padded decode requests
+        get zeros; rows past the planned ones are untouched.
+        """
+        p = self._planned
+        if p is None:
+            raise RuntimeError("flashinfer dense attention ran before plan; plan every step before the forward")
+        d = self.dims
+        want = (d.num_qo_heads, d.head_dim)
+        if q.dim() != 3 or tuple(q.shape[1:]) != want or out.shape != q.shape or q.shape[0] < p.rows:
+            raise ValueError(f"q and out must be [T >= {p.rows}, {want[0]}, {want[1]}]; got {tuple(q.shape)}, {tuple(out.shape)}")
+        if q.dtype != self.dtype or out.dtype != self.dtype:
+            raise ValueError(f"q and out must be {self.dtype} (the cache dtype); got {q.dtype}, {out.dtype}")
+        if q.stride(-1) != 1 or not out.is_contiguous():
+            raise ValueError("flashinfer needs q with a contiguous last dim and a contiguous out")
+        kv = (self.cache.k_cache[layer], self.cache.v_cache[layer])
+        p.wrapper.run(q[: p.rows], kv, out=out[: p.rows])
 
     def warmup(self) -> None:
-        """JIT-compile flashinfer and make its decode wrappers; call before any capture."""
-        self.dense_impl.warmup()
+        """JIT-compile flashinfer's kernels and run every decode wrapper once, before any capture.
 
-    @splice("attention.dense", graph_safe_decode=True)
-    def dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
-        """Causal GQA. q, out: ``[T, num_qo_heads, head_dim]``.
-
-        Graph-safe for uniform decode: a decode bucket planned with ``meta.pad_to(bucket)``
-        runs a CUDA-graph-mode flashinfer wrapper whose plan lives in fixed device buffers.
+        flashinfer builds a module per (dtype, head_dim, ...) the first time it is planned
+        (about 20 s on an H200); a capture must never trigger that. Plans and runs one
+        single-token request per decode wrapper and one through the eager wrapper, all
+        reading page 0 of layer 0 (the cache is only read). Leaves no plan behind.
         """
-        self.dense_impl.run(layer, q, out)
+        d = self.dims
+        sizes = self.decode_batch_sizes
+        n = max(sizes, default=1)
+        q = torch.zeros(n, d.num_qo_heads, d.head_dim, dtype=self.dtype, device=self._workspace_buf.device)
+        out = torch.empty_like(q)
+        kv = (self.cache.k_cache[0], self.cache.v_cache[0])
+        kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=d.scale)
+        dims = (d.num_qo_heads, d.num_kv_heads, d.head_dim, d.block_size)
+        self._indices_buf[:n].zero_()
+        for b in sizes:
+            w = self._decode[b]
+            w.plan(torch.arange(b + 1, dtype=torch.int32), self._indices_buf[:b], torch.ones(b, dtype=torch.int32), *dims, **kw)
+            w.run(q[:b], kv, out=out[:b])
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        self._prefill.plan(one, one, self._indices_buf[:1], one[1:], *dims, causal=True, **kw)
+        self._prefill.run(q[:1], kv, out=out[:1])
+        torch.cuda.synchronize(self._workspace_buf.device)
+        self._planned = None
 
-    def sparse(self, layer: int, q: torch.Tensor, iq: torch.Tensor, out: torch.Tensor) -> None:
-        """Index top-k + block-sparse GQA, by the sparse backend.
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """The shared workspace and page buffers, and each decode wrapper's own device buffers."""
+        out = {"workspace": self._workspace_buf, "indptr": self._indptr_buf, "indices": self._indices_buf,
+               "last_page_len": self._last_page_len_buf}
+        for b, w in self._decode.items():
+            out.update(device_tensors(w, prefix=f"decode{b}."))
+        return out
 
-        Not decorated here: the delegate's own ``sparse`` is the splice point, so its declared
-        graph-safety is the one graphcap sees.
-        """
-        self.sparse_impl.sparse(layer, q, iq, out)
 
-
-# The name backend.py's (commented) registry entry uses.
-FlashInferAttention = FlashinferAttention
+__all__ = ["FlashinferAttention", "flashinfer_available", "gather_page_indices", "import_flashinfer", "paged_kv_layout"]

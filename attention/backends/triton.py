@@ -1,82 +1,92 @@
 """TritonAttention: the attention backend built on this package's Triton kernels.
 
 - ``sparse``: index top-k into the shared ``topk_buf``, then block-sparse GQA. Uniform decode
-  steps, and any call made while a CUDA graph is being captured, take the graph-safe path
-  (every row of ``q`` runs; positions, sequences, slots and block tables come from the
-  metadata's persistent device buffers; grids depend on shapes only), so whole decode graphs
-  may capture through it. Other steps take the prefill path, sized from host metadata.
+  steps take the graph-safe decode path (every row of ``q`` runs; positions, sequences, slots
+  and block tables come from the metadata's persistent device buffers; grids depend on shapes
+  only), so whole decode graphs capture through it. Other steps take the prefill path, sized
+  from host metadata (never inside a whole graph: the manager only makes whole graphs of
+  uniform decode steps), over request-aligned token tiles planned per step: a prefill chunk's
+  tokens share loaded K/V and index-K tiles, the step's decode tokens run one per program.
 - ``dense``: a FALLBACK Triton kernel (one token per program, split over key blocks): correct
-  and graph-safe for decode, slow for long prefills. Prefer a dedicated dense backend
-  (flashinfer) for the dense layers when one is available.
-
-Registered in ``attention.backend.BACKENDS`` as ``"triton"`` (``attention.triton_backend:TritonAttention``).
+  and graph-safe for decode, slow for long prefills. Prefer flashinfer for the dense layers
+  (``LayerSplit(dense=FlashinferAttention, sparse=TritonAttention)``, the ``flashinfer`` kind).
 """
 
 from __future__ import annotations
 
 import torch
 
-from graphcap.splice import splice
-
 from attention.base import AttentionBackend
-from attention.kernels.indexer import index_topk_decode, index_topk_prefill
-from attention.kernels.sparse import dense_attention_triton, sparse_attention_decode, sparse_attention_prefill
+from attention.dims import AttentionDims
+from attention.kernels import indexer, sparse
+from attention.kernels.indexer import index_topk_decode, index_topk_prefill_tiled
+from attention.kernels.sparse import dense_attention_triton, sparse_attention_decode, sparse_attention_prefill_tiled
+from attention.kernels.tiles import StepTiles, TilePlanner
+from graphcap import Padding, Step
+from kvcache.paged import PagedKVCache
 
 
 class TritonAttention(AttentionBackend):
     """Triton kernels for index top-k and sparse attention (dense: Triton fallback).
 
-    Same constructor as :class:`attention.backend.AttentionBackend`.
+    Attributes:
+        topk_buf: ``int32 [num_kv_heads, max_tokens, topk]`` selections, shared by all sparse layers.
     """
 
-    def _graph_safe(self) -> bool:
-        """Take the graph-safe path: uniform decode steps, and anything run under capture (a
-        prefill path there would freeze this step's host metadata into the graph; the
-        graph-safe path is correct for any batch, only slower for long prefills)."""
-        return self.meta.uniform_decode or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    def __init__(self, cache: PagedKVCache, dims: AttentionDims) -> None:
+        super().__init__(cache, dims)
+        device = cache.block_tables.device
+        self.topk_buf = torch.full((dims.num_kv_heads, dims.max_tokens, dims.topk), -1, dtype=torch.int32, device=device)
+        # Tile sizes differ (the indexer's M is tokens x 1 index head per group, attention's is
+        # tokens x the group's q heads), so each gets its own planner and persistent buffer.
+        self._index_tiles = TilePlanner(dims.max_tokens, device)
+        self._attn_tiles = TilePlanner(dims.max_tokens, device)
+        self._index_block_t = indexer.default_block_t(dims.num_kv_heads)
+        self._attn_block_t = sparse.default_block_t(dims.group_size)
+        self._tiles: tuple[StepTiles, StepTiles] | None = None
 
-    def _decode_rows(self, q: torch.Tensor) -> int:
-        """Rows the graph-safe path launches: all of ``q`` (a decode bucket incl. padding)."""
-        T = q.shape[0]
-        cap = self.meta.buffers.positions.shape[0]
-        if T > min(self.max_tokens, cap):
-            raise ValueError(
-                f"decode batch of {T} rows exceeds the backend's max_tokens={self.max_tokens} or the metadata "
-                f"capacity {cap}; raise max_tokens / MetadataBuilder.max_tokens"
-            )
-        return T
+    def plan(self, step: Step, padding: Padding) -> None:
+        meta = self.check_plan(step, padding)
+        cap = meta.buffers.positions.shape[0]
+        if padding.rows > cap:
+            raise ValueError(f"step runs {padding.rows} rows but the metadata holds {cap}; "
+                             f"raise the runner's max_tokens")
+        self._tiles = None
+        if not step.uniform_decode:  # the prefill path: request-aligned tiles, O(tiles) host work
+            indptr = meta.qo_indptr_host
+            self._tiles = (self._index_tiles.plan(indptr, self._index_block_t),
+                           self._attn_tiles.plan(indptr, self._attn_block_t))
 
-    @splice("attention.sparse", graph_safe_decode=True)
-    def sparse(self, layer: int, q: torch.Tensor, iq: torch.Tensor, out: torch.Tensor) -> None:
-        """Index top-k + block-sparse GQA of sparse layer ``layer``.
+    def sparse_graph_safe(self, padding: Padding) -> bool:
+        return padding.rows <= self.dims.max_tokens
 
-        q, out: ``[T, num_qo_heads, head_dim]``; iq: ``[T, num_kv_heads, index_dim]``.
-        """
-        meta = self.meta
+    def dense_graph_safe(self, padding: Padding) -> bool:
+        return padding.rows <= self.dims.max_tokens
+
+    def _sparse(self, layer: int, q: torch.Tensor, iq: torch.Tensor, out: torch.Tensor) -> None:
+        meta, d = self.meta, self.dims
         ik = self.cache.index_k_cache[self.cache.sparse_index(layer)]
         kc, vc = self.cache.k_cache[layer], self.cache.v_cache[layer]
-        if self._graph_safe():
-            T = self._decode_rows(q)
-            topk = self.topk_buf[:, :T]
-            index_topk_decode(iq, ik, meta, self.topk, topk)
-            sparse_attention_decode(q, kc, vc, topk, meta, out, self.scale)
+        if self.uniform_decode:
+            topk = self.topk_buf[:, : q.shape[0]]  # every row of the (padded) batch; pad rows get -1
+            index_topk_decode(iq, ik, meta, d.topk, topk)
+            sparse_attention_decode(q, kc, vc, topk, meta, out, d.scale)
         else:
+            if self._tiles is None:
+                raise RuntimeError("TritonAttention ran a prefill step it did not plan; plan every step first")
             topk = self.topk_buf[:, : meta.num_tokens]
-            # Token tiles share loaded tiles only within one sequence; in a batch of several
-            # requests a tile would walk unrelated pages serially, so run one token per program.
-            bt = None if meta.num_seqs == 1 else 1
-            index_topk_prefill(iq, ik, meta, self.topk, topk, block_t=bt)
-            sparse_attention_prefill(q, kc, vc, topk, meta, out, self.scale, block_t=bt)
+            index_tiles, attn_tiles = self._tiles
+            index_topk_prefill_tiled(iq, ik, meta, d.topk, topk, index_tiles)
+            sparse_attention_prefill_tiled(q, kc, vc, topk, meta, out, d.scale, attn_tiles)
 
-    @splice("attention.dense", graph_safe_decode=True)
-    def dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+    def _dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """FALLBACK dense causal GQA of layer ``layer`` (see the module docstring)."""
-        meta = self.meta
-        decode = self._graph_safe()
-        if decode:
-            self._decode_rows(q)
-        dense_attention_triton(q, self.cache.k_cache[layer], self.cache.v_cache[layer], meta, out, self.scale,
-                               graph_safe=decode)
+        dense_attention_triton(q, self.cache.k_cache[layer], self.cache.v_cache[layer], self.meta, out,
+                               self.dims.scale, graph_safe=self.uniform_decode)
+
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        # The tile buffers are read by prefill splices only, which never run inside a graph.
+        return {"topk_buf": self.topk_buf}
 
 
 __all__ = ["TritonAttention"]

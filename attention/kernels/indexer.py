@@ -23,7 +23,11 @@ Decode (``index_topk_decode``) is graph-safe: the grid is (``T``, capacity chunk
 sequence rows, slots and block tables are read from device buffers (a query at position
 ``p`` sees keys ``<= p``, so kv lengths are not needed), and chunks past a sequence's last
 block do no loads. Prefill (``index_topk_prefill``) sizes the chunk count from the host's
-``max_kv_len`` and tiles several tokens per program so index-K tiles are reused.
+``max_kv_len`` and tiles several tokens per program so index-K tiles are reused: either the
+fixed grid of ``tile * BLOCK_T`` rows (tiles may straddle requests; the partial kernel then
+visits each sequence of a tile in turn) or an explicit list of ``(start, end)`` row ranges
+(``TILED``; :mod:`attention.kernels.tiles` builds request-aligned ones, and
+``index_topk_prefill_tiled`` runs a step's tiles).
 Padded rows (slot ``-1``) get an all ``-1`` selection.
 """
 
@@ -33,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
 from attention.metadata import AttentionMetadata
 
@@ -52,17 +57,23 @@ def _partial_kernel(
     iq_ptr, stride_iq_t, stride_iq_h,
     ik_ptr, stride_ik_p, stride_ik_s,
     bt_ptr, stride_bt, seq_slots_ptr, token_seq_ptr, pos_ptr, slot_ptr,
-    part_ptr, T, page_size, NC,
+    part_ptr, T, page_size, NC, tiles_ptr,
     HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, TILED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     c = tl.program_id(1)
+    if TILED:  # an explicit (start, end) row range per program, end - start <= BLOCK_T
+        t_lo = tl.load(tiles_ptr + 2 * tile).to(tl.int32)
+        t_hi = tl.load(tiles_ptr + 2 * tile + 1).to(tl.int32)
+    else:
+        t_lo = tile * BLOCK_T
+        t_hi = T
     r = tl.arange(0, BLOCK_M)
-    tok = tile * BLOCK_T + r // HIDX
+    tok = t_lo + r // HIDX
     head = r % HIDX
-    row_ok = (r < BLOCK_T * HIDX) & (tok < T)
+    row_ok = (r < BLOCK_T * HIDX) & (tok < t_hi)
     slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)
     row_ok = row_ok & (slot >= 0)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)
@@ -127,7 +138,7 @@ def _merge_kernel(
     keys = tl.load(part_ptr + (t.to(tl.int64) * HIDX + h) * NCAND + ci, mask=written, other=-9223372036854775807)
     kk = tl.arange(0, TOPK_PAD)
     res = tl.full([TOPK_PAD], -1, tl.int32)
-    for i in range(0, n_other):
+    for i in range(n_other):
         best = tl.max(keys, axis=0)
         res = tl.where(kk == i, 0x7FFFFFFF - best.to(tl.int32), res)  # low word: 2**31 - 1 - id
         keys = tl.where(keys == best, -9223372036854775807, keys)
@@ -149,12 +160,18 @@ def _check(iq: Tensor, index_k_l: Tensor, out: Tensor, topk: int, page_size: int
 
 
 def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
-            num_blocks: int, block_t: int, chunk: int) -> None:
-    """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row."""
-    check_device("index top-k", iq, index_k_l, out)
+            num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None) -> None:
+    """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row.
+
+    The partial kernel runs the fixed grid of ``cdiv(T, block_t)`` token tiles, or with
+    ``tiles`` (``int32 [n, 2]``, checked by the caller) one program per ``(start, end)`` row
+    range; those must cover every row ``< T``: the merge reads every row's candidates.
+    """
+    check_device("index top-k", iq, index_k_l, out, *([] if tiles is None else [tiles]))
     if chunk < 1 or chunk & (chunk - 1) or block_t < 1:
         raise ValueError(f"chunk must be a power of two and block_t >= 1, got chunk={chunk}, block_t={block_t}")
-    if T == 0:
+    programs = triton.cdiv(T, block_t) if tiles is None else tiles.shape[0]
+    if T == 0 or programs == 0:
         return
     buf, H, Di = meta.buffers, iq.shape[1], iq.shape[2]
     nc = triton.cdiv(max(num_blocks, 1), chunk)
@@ -163,12 +180,12 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     # fp32 dots: the interpreter's bf16 dot is wrong, and fp32 inputs should not drop to tf32
     dot_f32 = interpreting() or iq.dtype == torch.float32
     block_m = pad_dim(block_t * H)
-    _partial_kernel[(triton.cdiv(T, block_t), nc)](
+    _partial_kernel[(programs, nc)](
         iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
         meta.block_tables, meta.block_tables.stride(0), buf.seq_slots, buf.token_seq, buf.positions,
-        buf.slot_mapping, part, T, meta.page_size, nc,
+        buf.slot_mapping, part, T, meta.page_size, nc, buf.token_seq if tiles is None else tiles,
         HIDX=H, DI=Di, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=pad_dim(meta.page_size),
-        BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32,
+        BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32, TILED=tiles is not None,
         num_warps=4 if block_m <= 64 else 8, num_stages=3,
     )
     _merge_kernel[(T, H)](
@@ -209,8 +226,13 @@ def index_topk_decode(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, to
     _launch(iq, index_k_l, meta, out, topk, T, cap, 1, chunk)
 
 
+def default_block_t(num_index_heads: int) -> int:
+    """Prefill tokens per program: fill a 64-row ``tl.dot`` tile (at most 16 tokens)."""
+    return max(1, min(16, 64 // num_index_heads))
+
+
 def index_topk_prefill(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
-                       block_t: int | None = None, chunk: int | None = None) -> None:
+                       block_t: int | None = None, chunk: int | None = None, tiles: Tensor | None = None) -> None:
     """Per-group top-k for the step's real tokens (prefill chunks and mixed batches).
 
     Uses host metadata (``num_tokens``, ``max_kv_len``) to size the grid, so it is not
@@ -219,9 +241,15 @@ def index_topk_prefill(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, t
 
     Args:
         block_t: tokens per program (their rows share each loaded index-K tile); default
-            fills a 64-row ``tl.dot`` tile.
+            :func:`default_block_t` (fills a 64-row ``tl.dot`` tile).
         chunk: key blocks per program; default 64 (128 past 2048 blocks, keeping the merge's
-            candidate list short).
+            candidate list short), or with ``tiles`` :func:`decode_chunk` of the tile count
+            (a short tile list needs more, smaller chunks to fill the GPU).
+        tiles: optional ``int32 [n, 2]`` contiguous ``(start, end)`` token rows, one program
+            each (``end - start <= block_t``) in place of the fixed ``cdiv(T, block_t)`` grid,
+            e.g. :class:`attention.kernels.tiles.StepTiles` rows, which never straddle
+            requests. They must cover every row ``< meta.num_tokens`` (uncovered rows get
+            undefined selections).
     """
     T = meta.num_tokens
     _check(iq, index_k_l, out, topk, meta.page_size, T)
@@ -229,10 +257,47 @@ def index_topk_prefill(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, t
         raise ValueError(f"iq has {iq.shape[0]} rows but the step has {T} tokens")
     num_blocks = triton.cdiv(meta.max_kv_len, meta.page_size)
     if block_t is None:
-        block_t = max(1, min(16, 64 // iq.shape[1]))
+        block_t = default_block_t(iq.shape[1])
+    if tiles is not None:
+        check_tile_rows(tiles, block_t, T)
+        chunk = chunk or decode_chunk(tiles.shape[0], num_blocks, iq.device)
     if chunk is None:
         chunk = 64 if num_blocks <= 2048 else 128
-    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, block_t, chunk)
+    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, block_t, chunk, tiles)
 
 
-__all__ = ["index_topk_decode", "index_topk_prefill", "decode_chunk"]
+def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
+                             tiles: StepTiles, chunk: int | None = None) -> None:
+    """:func:`index_topk_prefill` over a step's request-aligned tiles (same outputs).
+
+    The multi-token requests' tiles run ``tiles.block_t`` tokens per program, sharing every
+    index-K tile they load; the one-token requests' tiles are one-row tiles of the same
+    launch. The partial kernel has no per-token fast path to gain from ``BLOCK_T = 1``
+    (its program is load-bound on index-K whatever its row count, and ``tl.dot`` pads rows
+    to 16 anyway: at rank-of-8 shapes, one index head, both programs are the same), so one
+    launch beats two: no second launch, no second wave tail. Then one merge over all rows.
+
+    Args:
+        iq, index_k_l, meta, topk, out: as :func:`index_topk_prefill`.
+        tiles: this step's :class:`StepTiles` (planned from ``meta.qo_indptr_host``).
+        chunk: key blocks per program; default :func:`decode_chunk` of the tile count.
+
+    Raises:
+        ValueError: as :func:`index_topk_prefill`, or ``tiles`` planned for another token count.
+    """
+    T = meta.num_tokens
+    _check(iq, index_k_l, out, topk, meta.page_size, T)
+    if iq.shape[0] < T:
+        raise ValueError(f"iq has {iq.shape[0]} rows but the step has {T} tokens")
+    if not isinstance(tiles, StepTiles) or tiles.num_tokens != T:
+        raise ValueError(f"tiles must be the StepTiles of this step ({T} tokens), got "
+                         f"{getattr(tiles, 'num_tokens', type(tiles))} tokens")
+    bt = tiles.block_t
+    check_tile_rows(tiles.rows, bt, T)
+    num_blocks = triton.cdiv(meta.max_kv_len, meta.page_size)
+    chunk = chunk or decode_chunk(tiles.rows.shape[0], num_blocks, iq.device)
+    # all one-token tiles (a decode-only step): the small one-token program
+    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, bt if tiles.num_multi else 1, chunk, tiles.rows)
+
+
+__all__ = ["decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill", "index_topk_prefill_tiled"]

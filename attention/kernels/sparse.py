@@ -15,6 +15,10 @@ One kernel, ``_attn_kernel``, grid (token tile, kv group, split):
   for dense layers until a faster dense backend is used;
 - with ``NSPLIT > 1`` (decode) each program takes a slice of the visits and writes a partial
   output and its log2-sum-exp; ``_merge_kernel`` combines the slices.
+The token tiles are the fixed grid of ``tile * BLOCK_T`` rows, or (``TILED``) an explicit list
+of ``(start, end)`` row ranges, one per program: :mod:`attention.kernels.tiles` builds
+request-aligned ones (a tile straddling unrelated requests shares nothing and walks both
+requests' pages serially), and ``sparse_attention_prefill_tiled`` runs a step's tiles.
 Padded rows (slot ``-1``) are skipped: their output rows are not written. Selections must
 hold distinct block ids, as the indexer writes them (``-1`` entries are ignored).
 
@@ -28,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
 from attention.metadata import AttentionMetadata
 
@@ -75,19 +80,27 @@ def _attn_kernel(
     sel_ptr, stride_sel_h, stride_sel_t,
     bt_ptr, stride_bt, seq_slots_ptr, token_seq_ptr, pos_ptr, slot_ptr,
     out_ptr, stride_o_t, stride_o_h, po_ptr, plse_ptr,
-    T, page_size, qk_scale, BPS,
+    T, page_size, qk_scale, BPS, tiles_ptr,
     G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
-    DENSE: tl.constexpr, DOT_F32: tl.constexpr,
+    DENSE: tl.constexpr, DOT_F32: tl.constexpr, TILED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
+    if TILED:  # an explicit (start, end) row range per program, end - start <= BLOCK_T
+        t_lo = tl.load(tiles_ptr + 2 * tile).to(tl.int32)
+        t_hi = tl.load(tiles_ptr + 2 * tile + 1).to(tl.int32)
+        n_rows = tl.minimum(t_hi - t_lo, BLOCK_T)
+    else:
+        t_lo = tile * BLOCK_T
+        t_hi = T
+        n_rows = BLOCK_T  # a constant trip count (rows past T are no-ops), as before tiles existed
     r = tl.arange(0, BLOCK_M)
     i_r = r // G
-    tok = tile * BLOCK_T + i_r
+    tok = t_lo + i_r
     head = g * G + r % G
-    row_ok = (r < BLOCK_T * G) & (tok < T)
+    row_ok = (r < BLOCK_T * G) & (tok < t_hi)
     slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)
     row_ok = row_ok & (slot >= 0)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)
@@ -107,10 +120,10 @@ def _attn_kernel(
     if BLOCK_T == 1:
         # One token per program (decode, dense fallback): scalar metadata, and a branch-free
         # loop (absent pages are masked loads) so Triton can pipeline the K/V loads.
-        ok0 = tile < T
-        ok0 = ok0 & (tl.load(slot_ptr + tile, mask=ok0, other=-1) >= 0)
-        p0 = tl.load(pos_ptr + tile, mask=ok0, other=-1).to(tl.int32)
-        srow0 = tl.load(seq_slots_ptr + tl.load(token_seq_ptr + tile, mask=ok0, other=0), mask=ok0, other=0)
+        ok0 = t_lo < t_hi
+        ok0 = ok0 & (tl.load(slot_ptr + t_lo, mask=ok0, other=-1) >= 0)
+        p0 = tl.load(pos_ptr + t_lo, mask=ok0, other=-1).to(tl.int32)
+        srow0 = tl.load(seq_slots_ptr + tl.load(token_seq_ptr + t_lo, mask=ok0, other=0), mask=ok0, other=0)
         srow0 = srow0.to(tl.int64)
         if DENSE:
             v_lo = sp * BPS
@@ -122,7 +135,7 @@ def _attn_kernel(
             if DENSE:
                 blk = v
             else:
-                blk = tl.load(sel_ptr + g * stride_sel_h + tile.to(tl.int64) * stride_sel_t + v, mask=ok0, other=-1)
+                blk = tl.load(sel_ptr + g * stride_sel_h + t_lo.to(tl.int64) * stride_sel_t + v, mask=ok0, other=-1)
             page = tl.load(bt_ptr + srow0 * stride_bt + blk, mask=ok0 & (blk >= 0), other=-1)
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, blk, row_ok & (page >= 0), pos,
                                           page_size, qk_scale, stride_k_p, stride_k_s, stride_v_p, stride_v_s,
@@ -138,9 +151,9 @@ def _attn_kernel(
                       mask=row_ok[:, None] & in_split[None, :], other=-1)
         pages = tl.load(bt_ptr + srow[:, None] * stride_bt + sel, mask=sel >= 0, other=-1)  # [BLOCK_M, K_PAD]
         fidx = i_r[:, None] * K_PAD + kk[None, :]
-        for i in range(0, BLOCK_T):
-            t_i = tile * BLOCK_T + i
-            ok_i = t_i < T
+        for i in range(n_rows):
+            t_i = t_lo + i
+            ok_i = t_i < t_hi
             ok_i = ok_i & (tl.load(slot_ptr + t_i, mask=ok_i, other=-1) >= 0)
             seq_i = tl.load(token_seq_ptr + t_i, mask=ok_i, other=0)
             srow_i = tl.load(seq_slots_ptr + seq_i, mask=ok_i, other=0).to(tl.int64)
@@ -216,10 +229,16 @@ def _check(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, out: Tensor, page_si
 
 
 def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None, meta: AttentionMetadata,
-            out: Tensor, scale: float, T: int, block_t: int, nsplit: int, bps: int, dense: bool) -> None:
-    check_device("sparse attention", q, k_cache_l, out)
+            out: Tensor, scale: float, T: int, block_t: int, nsplit: int, bps: int, dense: bool,
+            tiles: Tensor | None = None) -> None:
+    """One ``_attn_kernel`` launch (plus the split merge) over rows ``< T``: the fixed grid of
+    ``cdiv(T, block_t)`` token tiles, or with ``tiles`` (``int32 [n, 2]``, checked by the
+    caller) one program per ``(start, end)`` row range."""
+    check_device("sparse attention", q, k_cache_l, out, *([] if tiles is None else [tiles]))
     assert block_t == 1 or (nsplit == 1 and not dense), "splits and dense mode take one token per program"
-    if T == 0:
+    assert tiles is None or nsplit == 1, "the split merge runs over all rows < T, not over tiles"
+    programs = triton.cdiv(T, block_t) if tiles is None else tiles.shape[0]
+    if T == 0 or programs == 0:
         return
     buf = meta.buffers
     Hq, D, Hkv = q.shape[1], q.shape[2], k_cache_l.shape[2]
@@ -233,17 +252,18 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         po = plse = out  # unused
     sel_t = sel if sel is not None else meta.block_tables  # any int32 tensor: unused in dense mode
     block_m = pad_dim(block_t * G)
-    _attn_kernel[(triton.cdiv(T, block_t), Hkv, nsplit)](
+    _attn_kernel[(programs, Hkv, nsplit)](
         q, q.stride(0), q.stride(1),
         k_cache_l, v_cache_l, k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
         v_cache_l.stride(0), v_cache_l.stride(1), v_cache_l.stride(2),
         sel_t, sel_t.stride(0), sel_t.stride(1),
         meta.block_tables, meta.block_tables.stride(0), buf.seq_slots, buf.token_seq, buf.positions,
         buf.slot_mapping, out, out.stride(0), out.stride(1), po, plse,
-        T, meta.page_size, scale * _LOG2E, bps,
+        T, meta.page_size, scale * _LOG2E, bps, buf.token_seq if tiles is None else tiles,
         G=G, D=D, TOPK=topk, K_PAD=max(2, next_pow2(topk)), BLOCK_T=block_t, BLOCK_M=block_m,
         BLOCK_N=pad_dim(meta.page_size), BLOCK_D=block_d, NSPLIT=nsplit, DENSE=dense,
         DOT_F32=interpreting() or q.dtype == torch.float32,  # interpreter bf16 dot is wrong; fp32: no tf32
+        TILED=tiles is not None,
         num_warps=4 if block_m <= 64 else 8, num_stages=2,
     )
     if nsplit > 1:
@@ -284,22 +304,72 @@ def sparse_attention_decode(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, top
     _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, triton.cdiv(topk, bps), bps, False)
 
 
+def default_block_t(group: int) -> int:
+    """Prefill tokens per program: fill 64 rows of ``tl.dot`` with (tokens x the group's q
+    heads), at most 16 tokens."""
+    return max(1, min(16, 64 // group))
+
+
 def sparse_attention_prefill(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, topk_idx: Tensor,
-                             meta: AttentionMetadata, out: Tensor, scale: float, block_t: int | None = None) -> None:
+                             meta: AttentionMetadata, out: Tensor, scale: float, block_t: int | None = None,
+                             tiles: Tensor | None = None) -> None:
     """Sparse attention for the step's real tokens (``meta.num_tokens`` rows; host metadata).
 
-    Args: as :func:`sparse_attention_decode`, plus ``block_t``: tokens per program sharing the
-    blocks they both selected (default fills 64 rows of ``tl.dot``; 1 = one token per program).
+    Args: as :func:`sparse_attention_decode`, plus
+        block_t: tokens per program sharing the blocks they both selected (default
+            :func:`default_block_t`, filling 64 rows of ``tl.dot``; 1 = one token per program).
+        tiles: optional ``int32 [n, 2]`` contiguous ``(start, end)`` token rows, one program
+            each (``end - start <= block_t``) in place of the fixed ``cdiv(T, block_t)`` grid,
+            e.g. :class:`attention.kernels.tiles.StepTiles` rows, which never straddle
+            requests; rows no tile covers are not written.
     """
     T = meta.num_tokens
     _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
     _check_sel(topk_idx, k_cache_l.shape[2], T)
     G = q.shape[1] // k_cache_l.shape[2]
     if block_t is None:
-        block_t = max(1, min(16, 64 // G))
+        block_t = default_block_t(G)
     if block_t < 1:
         raise ValueError(f"block_t must be >= 1, got {block_t}")
-    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, block_t, 1, topk_idx.shape[2], False)
+    if tiles is not None:
+        check_tile_rows(tiles, block_t, T)
+    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, block_t, 1, topk_idx.shape[2], False, tiles)
+
+
+def sparse_attention_prefill_tiled(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, topk_idx: Tensor,
+                                   meta: AttentionMetadata, out: Tensor, scale: float, tiles: StepTiles) -> None:
+    """:func:`sparse_attention_prefill` over a step's request-aligned tiles (same outputs).
+
+    Two launches: the multi-token requests' tiles with ``BLOCK_T = tiles.block_t`` (each
+    block selected by several tokens of a tile is loaded once), then the one-token requests
+    with ``BLOCK_T = 1`` (the branch-free, pipelined per-token path; in the multi-token
+    program a one-row tile would still run the per-visit dedup checks and the unpipelined
+    ``if page >= 0`` loop). One launch of every tile through the multi-token program is
+    ``sparse_attention_prefill(..., block_t=tiles.block_t, tiles=tiles.rows)``. (A single
+    launch branching to the per-token loop for one-row tiles compiled, for Hopper at G = 8,
+    to 144 KiB of shared memory, both paths' buffers: one program per SM; not kept.)
+
+    Args:
+        q, k_cache_l, v_cache_l, topk_idx, meta, out, scale: as :func:`sparse_attention_prefill`.
+        tiles: this step's :class:`StepTiles` (planned from ``meta.qo_indptr_host``).
+
+    Raises:
+        ValueError: as :func:`sparse_attention_prefill`, or ``tiles`` planned for another
+            token count.
+    """
+    T = meta.num_tokens
+    _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
+    _check_sel(topk_idx, k_cache_l.shape[2], T)
+    if not isinstance(tiles, StepTiles) or tiles.num_tokens != T:
+        raise ValueError(f"tiles must be the StepTiles of this step ({T} tokens), got "
+                         f"{getattr(tiles, 'num_tokens', type(tiles))} tokens")
+    check_tile_rows(tiles.rows, tiles.block_t, T)
+    topk = topk_idx.shape[2]
+    if tiles.block_t == 1:  # every tile is one token: one launch of the per-token path
+        _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, 1, topk, False, tiles.rows)
+        return
+    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, tiles.block_t, 1, topk, False, tiles.multi)
+    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, 1, topk, False, tiles.single)
 
 
 def dense_attention_triton(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, meta: AttentionMetadata, out: Tensor,
@@ -319,4 +389,11 @@ def dense_attention_triton(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, meta
     _launch(q, k_cache_l, v_cache_l, None, meta, out, scale, T, 1, triton.cdiv(blocks, bps), bps, True)
 
 
-__all__ = ["sparse_attention_decode", "sparse_attention_prefill", "dense_attention_triton", "decode_splits"]
+__all__ = [
+    "decode_splits",
+    "default_block_t",
+    "dense_attention_triton",
+    "sparse_attention_decode",
+    "sparse_attention_prefill",
+    "sparse_attention_prefill_tiled",
+]

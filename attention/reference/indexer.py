@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from attention.reference.dense import acc_dtype, paged_gather
 from attention.metadata import AttentionMetadata
+from attention.reference.dense import acc_dtype, paged_gather
 
 
 def block_scores(iq: torch.Tensor, ik: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from attention.reference.dense import acc_dtype, attend, check_heads, paged_gather
 from attention.metadata import AttentionMetadata
+from attention.reference.dense import acc_dtype, attend, check_heads, paged_gather
 
 
 def selected_token_mask(sel: torch.Tensor, positions: torch.Tensor, length: int, block_size: int) -> torch.Tensor:

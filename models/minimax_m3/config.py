@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
+from graphcap.config import int_tuple, is_int
 from kvcache.paged import KVCacheConfig
 
 from .hf_config import read_config_json, translate_hf
@@ -95,9 +96,7 @@ class MiniMaxM3Config:
 
     def __post_init__(self) -> None:
         for name in ("moe_layer_freq", "sparse_attention_freq"):
-            v = getattr(self, name)
-            if isinstance(v, list):
-                object.__setattr__(self, name, tuple(v))
+            object.__setattr__(self, name, int_tuple(f"MiniMaxM3Config.{name}", getattr(self, name)))
         _validate(self)
 
     # ----- derived shapes -------------------------------------------------------------
@@ -226,7 +225,7 @@ class MiniMaxM3Config:
 
     def first_layers(self, num_layers: int) -> "MiniMaxM3Config":
         """This config cut to its first ``num_layers`` layers."""
-        if not isinstance(num_layers, int) or not 1 <= num_layers <= self.num_hidden_layers:
+        if not is_int(num_layers) or not 1 <= num_layers <= self.num_hidden_layers:
             raise ValueError(f"num_layers={num_layers!r}: choose 1..{self.num_hidden_layers}")
         return replace(
             self, num_hidden_layers=num_layers, moe_layer_freq=self.moe_layer_freq[:num_layers],
@@ -265,7 +264,7 @@ class MiniMaxM3Config:
         if self.tp_size != 1 or self.ep_size != 1:
             raise ValueError("shard() takes an unsharded config (tp_size == ep_size == 1)")
         for name, val in (("tp_size", tp_size), ("ep_size", ep_size)):
-            if not isinstance(val, int) or val < 1:
+            if not is_int(val) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         div = {
             "num_attention_heads": (self.num_attention_heads, tp_size),
@@ -331,7 +330,7 @@ def _validate(c: MiniMaxM3Config) -> None:
     """Structural consistency; each failure names the field and what to change."""
     for f in fields(c):
         v = getattr(c, f.name)
-        if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        if f.type == "int" and (not is_int(v) or v < 0):
             raise ValueError(f"{f.name} must be a non-negative int, got {v!r}")
     positive = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings", "num_local_experts",

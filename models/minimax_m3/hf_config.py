@@ -35,8 +35,11 @@ def read_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dic
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"no config.json at {path!r}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or replace the checkpoint's config.json") from None
 
 
 # Flags whose only supported value is M3's; absent means M3's value.

@@ -1,4 +1,5 @@
-"""MiniMax-M3 building blocks: GemmaRMSNorm, partial NeoX RoPE, SwiGLU-OAI, dense MLP, MoE.
+"""MiniMax-M3 building blocks: GemmaRMSNorm, SwiGLU-OAI, dense MLP, routing, MoE (RoPE: see
+``kernels/producer.py``, fused with the per-head norms and cache writes).
 
 Everything here is request-independent and capturable: fixed shapes for a given token
 count, no host syncs, no boolean-mask indexing, no data-dependent output shapes.
@@ -6,9 +7,14 @@ count, no host syncs, no boolean-mask indexing, no data-dependent output shapes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from .ops import M3Ops
 
 
 class GemmaRMSNorm(nn.Module):
@@ -27,39 +33,6 @@ class GemmaRMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of ``pos * inv_freq``, computed per step from the positions: a table over 1M
-    positions would cost memory for nothing, and one outer product per forward is negligible.
-
-    Args:
-        positions: int ``[T]``; inv_freq: fp32 ``[rotary_dim // 2]`` (``attention.rope.rope_inv_freq``).
-    Returns:
-        cos, sin: fp32 ``[T, rotary_dim // 2]``.
-    """
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate dims ``[0, rotary_dim)`` of every head in NeoX split-half pairs ``(i, i + rd/2)``.
-
-    Args:
-        x: ``[T, heads, head_dim]`` (``head_dim >= rotary_dim``).
-        cos, sin: fp32 ``[T, rotary_dim // 2]``.
-    Returns:
-        ``[T, heads, head_dim]`` in ``x.dtype``; dims ``>= rotary_dim`` pass through.
-    """
-    half = cos.shape[-1]
-    rd = 2 * half
-    xf = x[..., :rd].float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-    if rd == x.shape[-1]:
-        return rot
-    return torch.cat((rot, x[..., rd:]), dim=-1)
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -132,13 +105,11 @@ class StackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device))
 
 
-MOE_IMPLS = ("grouped", "loop")
-
-
 class BlockSparseMoE(nn.Module):
     """Router + routed experts + one (TP-sliced) shared expert, added unscaled.
 
-    Two capturable formulations of the routed part, both fixed-shape for a token count:
+    Two capturable formulations of the routed part, both fixed-shape for a token count (the
+    op table, ``models.minimax_m3.ops``, picks one):
 
     - ``grouped`` (default where ``torch._grouped_mm`` supports the device/dtype): sort the
       ``T * top_k`` (token, expert) pairs by local expert id (pairs for remote experts or
@@ -156,7 +127,7 @@ class BlockSparseMoE(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, num_local: int, top_k: int, inter: int, shared_inter: int,
                  scale: float, alpha: float, limit: float, dtype: torch.dtype,
-                 device: torch.device | str | None = None, expert_offset: int = 0, impl: str = "auto") -> None:
+                 device: torch.device | str | None = None, expert_offset: int = 0) -> None:
         super().__init__()
         self.top_k, self.scale, self.alpha, self.limit = top_k, scale, alpha, limit
         self.expert_offset = expert_offset
@@ -166,36 +137,18 @@ class BlockSparseMoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device))
         self.experts = StackedExperts(num_local, hidden, inter, dtype, device)
         self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype, device)
-        self.impl = _pick_impl(impl, torch.device(device or "cpu"), dtype)
 
-    def forward(self, x: torch.Tensor, num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """x: ``[T, H]`` -> ``[T, H]``; padded rows (``>= num_real_tokens``) skip routed experts."""
-        ids, w = route(x, self.gate.weight, self.e_score_correction_bias, self.top_k, self.scale, num_real_tokens)
-        routed = self.routed_grouped(x, ids, w) if self.impl == "grouped" else self.routed_loop(x, ids, w)
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
+    def forward(self, x: torch.Tensor, num_real_tokens: torch.Tensor | None, ops: "M3Ops") -> torch.Tensor:
+        """x: ``[T, H]`` -> ``[T, H]``; padded rows (``>= num_real_tokens``) skip routed experts.
+        The op table decides how (``ops.moe``: torch grouped or loop, or the fused kernels)."""
+        return ops.moe(self, x, num_real_tokens)
 
     def _local_keys(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global ids ``[T, k]`` -> local expert ids, or ``E_local`` for remote/padded pairs."""
-        n = self.experts.num_experts
-        local = ids - self.expert_offset
-        return torch.where((ids >= 0) & (local >= 0) & (local < n), local, n)
+        return local_expert_keys(ids, self.expert_offset, self.experts.num_experts)
 
     def routed_grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Sorted pairs + grouped GEMMs. Returns fp32 ``[T, H]``."""
-        ex = self.experts
-        n, k = ex.num_experts, ids.shape[1]
-        keys = self._local_keys(ids).flatten()  # [P]
-        order = torch.argsort(keys, stable=True)
-        sorted_keys = keys.index_select(0, order)
-        token = torch.div(order, k, rounding_mode="floor")
-        ends = torch.searchsorted(sorted_keys, torch.arange(n, device=x.device), right=True).to(torch.int32)
-        xs = x.index_select(0, token)
-        h = torch._grouped_mm(xs, ex.w13.transpose(1, 2), offs=ends)
-        a = swiglu_oai(h[:, : ex.inter], h[:, ex.inter :], self.alpha, self.limit)
-        y = torch._grouped_mm(a, ex.w2.transpose(1, 2), offs=ends)
-        ws = w.flatten().index_select(0, order)
-        y = torch.where((sorted_keys < n)[:, None], y.float() * ws[:, None], 0.0)
-        return torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y)
+        return routed_grouped(x, ids, w, self.experts.w13, self.experts.w2, self.alpha, self.limit, self.expert_offset)
 
     def routed_loop(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Every local expert on every row, weighted by a dense combine matrix. fp32 ``[T, H]``."""
@@ -211,15 +164,30 @@ class BlockSparseMoE(nn.Module):
         return out
 
 
-def _pick_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto``: grouped where ``torch._grouped_mm`` exists for the device and dtype (CPU any
-    float dtype; CUDA bf16 only), else loop."""
-    if impl not in ("auto",) + MOE_IMPLS:
-        raise ValueError(f"MoE impl {impl!r} is unknown; choose auto, grouped or loop")
-    if impl != "auto":
-        return impl
-    if not hasattr(torch, "_grouped_mm"):
-        return "loop"
-    if device.type == "cuda":
-        return "grouped" if dtype == torch.bfloat16 else "loop"
-    return "grouped"
+def local_expert_keys(ids: torch.Tensor, expert_offset: int, num_local: int) -> torch.Tensor:
+    """Global ids ``[T, k]`` -> local expert ids, or ``num_local`` for remote/padded pairs."""
+    local = ids - expert_offset
+    return torch.where((ids >= 0) & (local >= 0) & (local < num_local), local, num_local)
+
+
+def routed_grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   alpha: float, limit: float, expert_offset: int = 0) -> torch.Tensor:
+    """This rank's routed experts by sorted pairs and two grouped GEMMs (a function of tensors,
+    so ``torch.compile`` traces it once per shape for every layer). fp32 ``[T, H]``.
+
+    x: ``[T, H]``; ids: global ``[T, k]`` (-1 padding); w: fp32 ``[T, k]``; w13 ``[E, 2I, H]``
+    (gate rows, then up); w2 ``[E, H, I]``.
+    """
+    n, inter, k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
+    keys = local_expert_keys(ids, expert_offset, n).flatten()  # [P]
+    order = torch.argsort(keys, stable=True)
+    sorted_keys = keys.index_select(0, order)
+    token = torch.div(order, k, rounding_mode="floor")
+    ends = torch.searchsorted(sorted_keys, torch.arange(n, device=x.device), right=True).to(torch.int32)
+    xs = x.index_select(0, token)
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+    a = swiglu_oai(h[:, :inter], h[:, inter:], alpha, limit)
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=ends)
+    ws = w.flatten().index_select(0, order)
+    y = torch.where((sorted_keys < n)[:, None], y.float() * ws[:, None], 0.0)
+    return torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y)

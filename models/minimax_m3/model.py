@@ -6,9 +6,9 @@ Fused parameters (the loader fills them from the separate checkpoint tensors):
 - ``mlp.gate_up_proj`` and ``shared_experts.gate_up_proj``: gate rows, then up rows;
 - ``block_sparse_moe.experts.w13 [E, 2I, H]`` (w1 = gate, then w3 = up) and ``w2 [E, H, I]``.
 
-The forward reads only its inputs, its weights, the KV cache (``cache.write``) and the
-attention splice points (``backend.dense`` / ``backend.sparse``); it never looks at capture
-state or step metadata, so graphcap can record everything between two splices.
+The forward reads only its inputs, its weights, the KV cache (through the op table's cache
+writes) and the attention splice points (``backend.dense`` / ``backend.sparse``); it never
+looks at capture state or step metadata, so graphcap can record everything between splices.
 """
 
 from __future__ import annotations
@@ -20,39 +20,44 @@ import torch
 from torch import nn
 
 from attention.base import AttentionBackend
-from kvcache.paged import PagedKVCache
 from attention.rope import rope_inv_freq
+from kvcache.paged import PagedKVCache
 
 from .config import MiniMaxM3Config
-from .layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm, apply_rope, rope_cos_sin
+from .kernels.producer import QKVLayout
+from .layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm
+from .ops import M3Ops, make_ops
 
 
-def resolve_producer(producer: str, device: torch.device | str | None) -> str:
-    """``auto`` -> the fused Triton producer on CUDA (one kernel for the per-head norms, RoPE
-    and the K/V + index-K cache writes; measured far faster than the ~20 unfused torch ops,
-    see BENCHMARKS.md), plain torch elsewhere."""
-    if producer not in ("auto", "torch", "triton"):
-        raise ValueError(f"producer={producer!r}: choose auto, torch or triton")
-    if producer == "auto":
-        return "triton" if torch.device(device or "cpu").type == "cuda" else "torch"
-    return producer
+class LayerInputs(NamedTuple):
+    """What every decoder layer of one forward reads besides the residual stream.
+
+    Attributes:
+        positions: int64 ``[T]`` (padding: 0).
+        slot_mapping: int64 ``[T]`` flat cache slots (padding: -1, writes nothing).
+        num_real_tokens: device int64 ``[1]``; rows ``>=`` it are padding and are kept out of
+            the routed experts (``None``: every row is real).
+        inv_freq: fp32 ``[rotary_dim // 2]`` rotary table.
+        cache, backend, ops: the paged cache, the attention backend and the op table.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_real_tokens: torch.Tensor | None
+    inv_freq: torch.Tensor
+    cache: PagedKVCache
+    backend: AttentionBackend
+    ops: M3Ops
 
 
 class M3Attention(nn.Module):
-    """Dense GQA (``sparse=False``) or MSA with its index branch (``sparse=True``).
+    """Dense GQA (dense-attention layers) or MSA with its index branch (sparse layers)."""
 
-    ``producer`` picks how q/k/v/iq/ik go from the fused projection to attention: ``torch``
-    (norms, RoPE and ``cache.write`` as separate ops) or ``triton`` (one fused kernel).
-    """
-
-    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None,
-                 producer: str = "torch") -> None:
+    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
-        self.fused = producer == "triton"
         self.layer, self.sparse = layer, c.is_sparse(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.num_index_heads, self.index_dim = c.sparse_num_index_heads, c.sparse_index_dim
-        self.split = [c.q_size, c.kv_size, c.kv_size] + ([c.index_q_size, c.sparse_index_dim] if self.sparse else [])
         self.qkv_proj = nn.Linear(c.hidden_size, c.qkv_size(layer), bias=False, dtype=dtype, device=device)
         self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
@@ -60,106 +65,70 @@ class M3Attention(nn.Module):
             self.index_q_norm = GemmaRMSNorm(c.sparse_index_dim, c.rms_norm_eps, dtype, device)
             self.index_k_norm = GemmaRMSNorm(c.sparse_index_dim, c.rms_norm_eps, dtype, device)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, dtype=dtype, device=device)
-        if self.fused:
-            from models.minimax_m3.kernels.producer import QKVLayout
+        self.layout = QKVLayout(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                c.sparse_num_index_heads if self.sparse else 0,
+                                c.sparse_index_dim if self.sparse else 0, c.rotary_dim, c.rms_norm_eps)
 
-            self.layout = QKVLayout(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                    c.sparse_num_index_heads if self.sparse else 0,
-                                    c.sparse_index_dim if self.sparse else 0, c.rotary_dim, c.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: "RopeInputs", slot_mapping: torch.Tensor,
-                cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
-        """x: normed hidden ``[T, H]``; rope: this step's positions and cos/sin; slot_mapping
-        int64 ``[T]`` (-1 = padding). Returns the o_proj output ``[T, H]``."""
-        if self.fused:
-            return self._forward_fused(x, rope, slot_mapping, cache, backend)
-        t = x.shape[0]
-        cos, sin = rope.cos, rope.sin
-        parts = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(self.q_norm(parts[0].view(t, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(parts[1].view(t, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = parts[2].view(t, self.num_kv_heads, self.head_dim)
-        # Rows the attention op leaves untouched (padding) must not carry garbage into o_proj.
-        out = torch.zeros(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        if self.sparse:
-            iq = apply_rope(self.index_q_norm(parts[3].view(t, self.num_index_heads, self.index_dim)), cos, sin)
-            ik = apply_rope(self.index_k_norm(parts[4].view(t, 1, self.index_dim)), cos, sin)
-            cache.write(self.layer, slot_mapping, k, v, ik.view(t, self.index_dim))
-            backend.sparse(self.layer, q, iq, out)
-        else:
-            cache.write(self.layer, slot_mapping, k, v)
-            backend.dense(self.layer, q, out)
-        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
-
-    def _forward_fused(self, x: torch.Tensor, rope: "RopeInputs", slot_mapping: torch.Tensor,
-                       cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
-        from models.minimax_m3.kernels.producer import norm_rope_cache_write
-
+    def forward(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
+        """x: normed hidden ``[T, H]`` -> the o_proj output ``[T, H]``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         iq = torch.empty(t, self.num_index_heads, self.index_dim, dtype=x.dtype, device=x.device) if self.sparse else None
-        index = dict(index_q_norm=self.index_q_norm.weight, index_k_norm=self.index_k_norm.weight,
-                     index_k_cache=cache.index_k_cache[cache.sparse_index(self.layer)], iq_out=iq) if self.sparse else {}
-        norm_rope_cache_write(qkv, rope.positions, slot_mapping, self.layout, rope.inv_freq, self.q_norm.weight,
-                              self.k_norm.weight, cache.k_cache[self.layer], cache.v_cache[self.layer], q_out=q, **index)
+        li.ops.norm_rope_write(self, qkv, li.positions, li.inv_freq, li.slot_mapping, li.cache, q, iq)
+        # Rows the attention op leaves untouched (padding) must not carry garbage into o_proj.
         out = torch.zeros_like(q)
         if self.sparse:
-            backend.sparse(self.layer, q, iq, out)
+            li.backend.sparse(self.layer, q, iq, out)
         else:
-            backend.dense(self.layer, q, out)
+            li.backend.dense(self.layer, q, out)
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
 
-class RopeInputs(NamedTuple):
-    """One step's rotary inputs, shared by every layer: positions ``int64 [T]``, the fp32
-    ``inv_freq [rotary_dim/2]`` table and ``cos``/``sin`` fp32 ``[T, rotary_dim/2]`` (``None``
-    with the fused producer, which rotates in-kernel)."""
-
-    positions: torch.Tensor
-    inv_freq: torch.Tensor
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-
-
 class M3DecoderLayer(nn.Module):
-    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None,
-                 moe_impl: str = "auto", producer: str = "torch") -> None:
+    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = M3Attention(c, layer, dtype, device, producer)
+        self.self_attn = M3Attention(c, layer, dtype, device)
         self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.is_moe = c.is_moe(layer)
         if self.is_moe:
             self.block_sparse_moe = BlockSparseMoE(
                 c.hidden_size, c.num_local_experts, c.num_experts_per_rank, c.num_experts_per_tok,
                 c.intermediate_size, c.shared_width, c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
-                dtype, device, impl=moe_impl,
+                dtype, device,
             )
         else:
             self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype, device)
 
-    def forward(self, x: torch.Tensor, rope: RopeInputs, slot_mapping: torch.Tensor,
-                cache: PagedKVCache, backend: AttentionBackend, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
-        """x: residual stream ``[T, H]`` -> ``[T, H]``."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, slot_mapping, cache, backend)
-        b = self.post_attention_layernorm(x)
-        return x + (self.block_sparse_moe(b, num_real_tokens) if self.is_moe else self.mlp(b))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream in fused-norm form: ``x`` is the previous layer's output (the
+        embedding for layer 0, with ``residual=None``), added to ``residual`` by the fused
+        add + norm that starts this layer. Returns this layer's MLP/MoE output and the residual
+        stream ``[T, H]`` (the op table may update both in place)."""
+        ops, eps = li.ops, self.input_layernorm.eps
+        if residual is None:
+            residual, h = x, ops.rmsnorm(x, self.input_layernorm.weight, eps)
+        else:
+            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
+        a = self.self_attn(h, li)
+        b, residual = ops.add_rmsnorm(a, residual, self.post_attention_layernorm.weight, eps)
+        out = self.block_sparse_moe(b, li.num_real_tokens, ops) if self.is_moe else ops.mlp(self.mlp, b)
+        return out, residual
 
 
 class M3Model(nn.Module):
-    def __init__(self, c: MiniMaxM3Config, dtype: torch.dtype, device: torch.device | str | None,
-                 moe_impl: str = "auto", producer: str = "torch") -> None:
+    def __init__(self, c: MiniMaxM3Config, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            M3DecoderLayer(c, i, dtype, device, moe_impl, producer) for i in range(c.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(M3DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers))
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
 
 
 class MiniMaxM3ForCausalLM(nn.Module):
-    """The text backbone plus lm_head.
+    """The text backbone plus lm_head. Entry points: ``hidden_states(inputs)`` (what graphcap
+    captures) and ``compute_logits(hidden)``.
 
     Args:
         config: model shapes (a whole model, or one rank of a shard: see ``MiniMaxM3Config``).
@@ -168,8 +137,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
         dtype: parameter dtype (default ``config.torch_dtype``); router gate and bias are fp32.
         device: where parameters live. Parameters are uninitialised: load a checkpoint
             (``weights.load_checkpoint``) or call ``init_random_``.
-        moe_impl: ``auto``, ``grouped`` or ``loop`` (see ``layers.BlockSparseMoE``).
-        producer: ``auto``, ``torch`` or ``triton`` (see ``resolve_producer``).
+        producer: ``auto``, ``torch`` or ``triton``; moe_impl: ``auto``, ``grouped`` or ``loop``
+            (the op table, ``models.minimax_m3.ops.make_ops``, chosen once here).
     """
 
     def __init__(self, config: MiniMaxM3Config, cache: PagedKVCache | None = None,
@@ -178,8 +147,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype or config.torch_dtype
-        self.producer = resolve_producer(producer, device)
-        self.model = M3Model(config, self.dtype, device, moe_impl, self.producer)
+        self.ops = make_ops(producer, device, self.dtype, moe_impl)
+        self.model = M3Model(config, self.dtype, device)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype, device=device)
         self.requires_grad_(False)  # inference only: no autograd graph through the forward
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope_theta, config.rotary_dim, device),
@@ -203,54 +172,38 @@ class MiniMaxM3ForCausalLM(nn.Module):
                                  f"build the cache with MiniMaxM3Config.kv_cache_config")
         if backend.cache is not cache:
             raise ValueError("the backend reads a different cache than the one attached")
-        if backend.num_qo_heads != c.num_attention_heads or backend.topk != c.sparse_topk_blocks:
+        d = backend.dims
+        if d.num_qo_heads != c.num_attention_heads or d.topk != c.sparse_topk_blocks:
             raise ValueError(
-                f"backend num_qo_heads={backend.num_qo_heads}, topk={backend.topk} must be "
+                f"backend num_qo_heads={d.num_qo_heads}, topk={d.topk} must be "
                 f"{c.num_attention_heads}, {c.sparse_topk_blocks}"
             )
-        if not math.isclose(backend.scale, c.head_dim**-0.5):
-            raise ValueError(f"backend scale={backend.scale} must be head_dim**-0.5")
+        if not math.isclose(d.scale, c.head_dim**-0.5):
+            raise ValueError(f"backend scale={d.scale} must be head_dim**-0.5")
         self.cache, self.backend = cache, backend
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                      num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states.
+    def hidden_states(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden_size]`` (model dtype).
 
         Args:
-            input_ids: int ``[T]`` (padding: 0).
-            positions: int64 ``[T]`` (padding: 0).
-            slot_mapping: int64 ``[T]`` flat cache slots (padding: -1, writes nothing).
-            num_real_tokens: device int scalar; rows ``>=`` it are padding and are kept out
-                of the routed experts. ``None``: every row is real.
-        Returns:
-            ``[T, hidden_size]`` in the model dtype.
+            inputs: ``input_ids`` int ``[T]`` (padding: 0), ``positions`` int64 ``[T]``
+                (padding: 0), ``slot_mapping`` int64 ``[T]`` (padding: -1) and optionally
+                ``num_real_tokens`` (device int64 ``[1]``; rows past it are padding).
         """
         cache, backend = self.cache, self.backend
         if cache is None or backend is None:
             raise RuntimeError("attach(cache, backend) before running the forward")
-        # The fused producer rotates in-kernel from positions; only the torch path needs cos/sin.
-        cos_sin = rope_cos_sin(positions, self.rope_inv_freq) if self.producer == "torch" else (None, None)
-        rope = RopeInputs(positions, self.rope_inv_freq, *cos_sin)
-        x = self.model.embed_tokens(input_ids)
+        li = LayerInputs(inputs["positions"], inputs["slot_mapping"], inputs.get("num_real_tokens"),
+                         self.rope_inv_freq, cache, backend, self.ops)
+        x, residual = self.model.embed_tokens(inputs["input_ids"]), None
         for layer in self.model.layers:
-            x = layer(x, rope, slot_mapping, cache, backend, num_real_tokens)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, li)
+        norm = self.model.norm
+        return self.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` -> ``[N, vocab_size]`` (lm_head, untied)."""
         return self.lm_head(hidden)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[T, vocab_size]`` for every row (see ``hidden_states`` for the arguments)."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, slot_mapping, num_real_tokens))
-
-    def forward_inputs(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``hidden_states`` from a graphcap-style input dict: ``input_ids``, ``positions``,
-        ``slot_mapping`` ``[T]`` and optionally ``num_real_tokens`` (0-d or ``[1]``)."""
-        n = inputs.get("num_real_tokens")
-        return self.hidden_states(inputs["input_ids"], inputs["positions"], inputs["slot_mapping"],
-                                  None if n is None else n.reshape(()))
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> None:

@@ -1,46 +1,48 @@
-"""One forward step of MiniMax-M3: model + paged cache + metadata + attention backend.
+"""Steps of MiniMax-M3: model + paged cache + metadata + attention backend + graphcap.
 
-No scheduling policy: the caller decides which requests and chunks form a step. A step is
-split the way ``graphcap.manager.CaptureManager`` wants it:
+No scheduling policy: the caller decides which requests and chunks form a step::
 
-- ``make_step(chunks)`` (host): reserve pages, build metadata, collect the per-token inputs;
-  returns a ``graphcap.splice.Step``;
-- ``plan(step, rows)`` (host, the manager's ``prepare`` hook): plan the attention backend for
-  a step padded to ``rows``;
-- ``forward(inputs)``: a pure function of the per-token input dict (``input_ids``,
-  ``positions``, ``slot_mapping``, optionally ``num_real_tokens``) returning hidden states;
-  this is what the manager captures;
-- ``sample(step, hidden)``: lm_head on each request's last token and greedy argmax;
-- ``dummy_step(bucket, uniform_decode)``: a throw-away step for warm-up and capture.
+    runner = build_from_preset("tiny", capture=CaptureConfig(enabled=True))   # the one flag
+    runner.capture()                                  # before admitting requests (GPU)
+    runner.add_request("a")
+    out = runner.step([TokenChunk("a", 0, prompt)])   # prefill; out.next_tokens[0] is greedy
+    out = runner.step([TokenChunk("a", len(prompt), [out.next_tokens[0]])])   # decode
+    runner.free_request("a")
 
-``step(chunks)`` runs the four eagerly.
+Every step runs through one ``graphcap.CaptureManager``: replayed CUDA graphs when capture is
+enabled on a GPU, the same padded segment/splice path eagerly in debug-eager mode, or plain
+eager. The captured function is ``model.hidden_states``; sampling (lm_head on each request's
+last token, greedy argmax) runs after it, the same way for every mode.
+
+A step's chunks are checked once, before anything is reserved or written
+(``MetadataBuilder.check``): capacity, a known request at most once per step, ``start_pos``
+continuing its sequence, token ids in the vocabulary. A request's written length advances
+only after its step succeeded, so a failed step never lets attention read positions nobody
+wrote.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import torch
 
-from attention.base import AttentionBackend, make_backend
+from attention.base import AttentionBackend
+from attention.dims import AttentionDims
+from attention.metadata import MetadataBuilder, TokenChunk
+from attention.registry import make_backend
+from graphcap import CaptureConfig, CaptureManager, InputSpec, Padding, StaticInputs, Step
+from graphcap.config import is_int
 from kvcache.paged import PagedKVCache
-from attention.metadata import MetadataBuilder, RequestChunk
-from graphcap.splice import Step
 
 from .config import MiniMaxM3Config
 from .model import MiniMaxM3ForCausalLM
 from .weights import load_checkpoint
 
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """A request's tokens for one step: ``token_ids`` at positions ``start_pos ...``."""
-
-    seq_id: Hashable
-    start_pos: int
-    token_ids: Sequence[int]
+DUMMY = "__graphcap_dummy__"
 
 
 @dataclass(frozen=True)
@@ -61,106 +63,119 @@ class M3Runner:
         cache: the paged KV cache (built from ``config.kv_cache_config``).
         backend: attention backend on that cache.
         max_tokens, max_seqs: capacity of one step (metadata buffers).
+        capture: graph settings (default: disabled, ceiling ``max_tokens``).
     """
 
     def __init__(self, model: MiniMaxM3ForCausalLM, cache: PagedKVCache, backend: AttentionBackend,
-                 max_tokens: int, max_seqs: int) -> None:
+                 max_tokens: int, max_seqs: int, capture: CaptureConfig | None = None) -> None:
         model.attach(cache, backend)
         self.model, self.cache, self.backend = model, cache, backend
         self.device = cache.block_tables.device
         self.builder = MetadataBuilder(cache, max_tokens, max_seqs, self.device)
-        self.max_tokens = max_tokens
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self._dummies: list[Hashable] = []
+        self.manager = self._make_manager(capture or CaptureConfig(max_tokens=max_tokens))
 
+    def _make_manager(self, capture: CaptureConfig) -> CaptureManager:
+        if capture.max_tokens > self.max_tokens:
+            raise ValueError(
+                f"CaptureConfig.max_tokens={capture.max_tokens} exceeds the runner's step capacity "
+                f"max_tokens={self.max_tokens}; build the runner with max_tokens >= the capture ceiling"
+            )
+        b = self.builder.buffers
+        static = StaticInputs([InputSpec("input_ids", torch.int64, 0),
+                               InputSpec.external("positions", b.positions),
+                               InputSpec.external("slot_mapping", b.slot_mapping)],
+                              self.max_tokens, self.device)
+        m = CaptureManager(self.model.hidden_states, static, capture, prepare=self._prepare,
+                           dummy_step=self.dummy_step, before_capture=self._before_capture,
+                           request_capacity=self.max_seqs)
+        cache, builder, backend = self.cache, self.builder, self.backend
+        m.register("model", self.model)
+        m.register("kv_cache", lambda: {"k": cache.k_cache, "v": cache.v_cache, "index_k": cache.index_k_cache},
+                   mutable=True)
+        m.register("block_tables", lambda: {"block_tables": cache.block_tables})
+        m.register("metadata", lambda: builder.buffers.tensors())
+        m.register("attention", backend.graph_tensors)
+        return m
+
+    def with_capture(self, capture: CaptureConfig) -> "M3Runner":
+        """A runner over the same model, cache, metadata and backend with other graph settings
+        (e.g. eager and graphed side by side on one set of weights)."""
+        other = copy.copy(self)
+        other._dummies = []
+        other.manager = other._make_manager(capture)
+        return other
+
+    def _prepare(self, step: Step, padding: Padding) -> None:
+        """The manager's host hook before every run: kernel choices for this row count (made
+        once, validated against the torch reference), then the attention plan."""
+        self.model.ops.prepare(self.model, padding.rows)
+        self.backend.plan(step, padding)
+
+    def _before_capture(self, manager: CaptureManager) -> None:
+        self.backend.init_capture(manager.whole_buckets, self.max_seqs)
+        self.backend.warmup()
+
+    # ---- requests ---------------------------------------------------------------------
     def add_request(self, seq_id: Hashable) -> None:
+        """Admit a request (a block-table row); its first chunk starts at position 0."""
         self.cache.add_sequence(seq_id)
 
     def free_request(self, seq_id: Hashable) -> None:
+        """Return the request's pages and row."""
         self.cache.free(seq_id)
 
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Positions written for the request: the ``start_pos`` its next chunk must have."""
+        return self.cache.num_written(seq_id)
+
+    def rewind_request(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Drop the request's positions ``>= num_tokens`` (e.g. rejected speculative tokens);
+        its next chunk starts at ``num_tokens`` and rewrites them.
+
+        Raises:
+            ValueError: ``num_tokens`` above what was written.
+        """
+        written = self.cache.num_written(seq_id)
+        if not is_int(num_tokens) or not 0 <= num_tokens <= written:
+            raise ValueError(f"request {seq_id!r}: rewind to {num_tokens!r} must lie in [0, {written}]")
+        self.cache.set_written(seq_id, num_tokens)
+
+    # ---- capture ----------------------------------------------------------------------
+    def capture(self) -> None:
+        """Warm up and capture every bucket (no-op unless capture is enabled on a GPU). Call
+        before admitting requests: warm-up and capture run on private dummy requests."""
+        try:
+            self.manager.capture()
+        finally:
+            self.release_dummies()
+
+    def validate(self) -> dict:
+        """Replay vs eager per bucket on random tokens (see ``CaptureManager.validate``)."""
+        try:
+            return self.manager.validate(lambda bucket, whole: self.dummy_step(bucket, whole, random_tokens=True))
+        finally:
+            self.release_dummies()
+
+    # ---- steps ------------------------------------------------------------------------
     def make_step(self, chunks: Sequence[TokenChunk]) -> Step:
-        """Reserve pages and build this step's metadata and inputs.
+        """Check the chunks, reserve their pages and build the step's metadata and inputs.
 
         Raises:
-            RuntimeError: the chunks need more free pages than the cache has; no page is
-                reserved in that case.
-            ValueError: too many chunks or tokens (nothing reserved), or see
-                ``MetadataBuilder.build``.
+            ValueError, RuntimeError: see ``MetadataBuilder.check``; nothing is reserved then.
         """
-        cache, ps = self.cache, self.cache.page_size
-        total = sum(len(ch.token_ids) for ch in chunks)
-        if not chunks or total > self.builder.max_tokens or len(chunks) > self.builder.max_seqs:
-            # checked before reserving, so a rejected step leaves the cache as it was
-            raise ValueError(
-                f"a step needs 1..{self.builder.max_seqs} chunks and at most {self.builder.max_tokens} tokens; "
-                f"got {len(chunks)} chunks, {total} tokens"
-            )
-        need = 0
+        self.builder.check(chunks, self.model.config.vocab_size)
         for ch in chunks:
-            end = ch.start_pos + len(ch.token_ids)
-            need += max(0, -(-end // ps) - cache.num_reserved_tokens(ch.seq_id) // ps)
-        if need > cache.num_free_pages:
-            raise RuntimeError(
-                f"step needs {need} new KV pages but {cache.num_free_pages} are free; run fewer chunks or free requests"
-            )
-        for ch in chunks:
-            cache.reserve(ch.seq_id, ch.start_pos + len(ch.token_ids))
-        meta = self.builder.build([RequestChunk(ch.seq_id, ch.start_pos, len(ch.token_ids)) for ch in chunks])
-        ids = [t for ch in chunks for t in ch.token_ids]
-        inputs = {
-            "input_ids": torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
-            "positions": meta.positions,
-            "slot_mapping": meta.slot_mapping,
-        }
-        return Step(num_tokens=meta.num_tokens, inputs=inputs, uniform_decode=meta.uniform_decode, metadata=meta)
+            self.cache.reserve(ch.seq_id, ch.end_pos)
+        meta = self.builder.build(chunks)
+        ids = torch.tensor([t for ch in chunks for t in ch.token_ids], dtype=torch.int64)
+        inputs = {"input_ids": ids, "positions": meta.positions, "slot_mapping": meta.slot_mapping}
+        return Step(num_tokens=meta.num_tokens, num_seqs=meta.num_seqs, inputs=inputs,
+                    uniform_decode=all(ch.num_tokens == 1 for ch in chunks), metadata=meta)
 
-    def plan(self, step: Step, rows: int) -> None:
-        """Plan the backend for ``step`` run as ``rows`` rows (its bucket, or its own size)."""
-        meta = step.metadata
-        self.backend.plan(meta if rows == meta.num_tokens else meta.pad_to(rows))
-
-    def dummy_step(self, bucket: int, uniform_decode: bool) -> Step:
-        """A step of ``bucket`` tokens over private sequences (freed by the next call or by
-        ``release_dummies``): ``bucket`` one-token requests for uniform decode, else prefill
-        chunks of token 0. Call it before real requests are admitted (capture time).
-
-        Raises:
-            ValueError: a uniform-decode bucket above ``max_seqs`` (no decode step can be
-                that large: cap full-graph decode buckets at ``max_seqs``).
-        """
-        self.release_dummies()
-        if uniform_decode and bucket > self.builder.max_seqs:
-            raise ValueError(
-                f"a uniform-decode step of {bucket} tokens needs {bucket} requests but max_seqs="
-                f"{self.builder.max_seqs}; keep full-graph decode buckets <= max_seqs"
-            )
-        max_len = self.cache.config.max_seq_len
-        sizes = [1] * bucket if uniform_decode else [min(max_len, bucket - i) for i in range(0, bucket, max_len)]
-        chunks = []
-        for i, n in enumerate(sizes):
-            sid = ("__graphcap_dummy__", i)
-            self.cache.add_sequence(sid)
-            self._dummies.append(sid)
-            chunks.append(TokenChunk(sid, 0, [0] * n))
-        return self.make_step(chunks)
-
-    @property
-    def has_dummies(self) -> bool:
-        """Whether sequences made by ``dummy_step`` are still in the cache."""
-        return bool(self._dummies)
-
-    def release_dummies(self) -> None:
-        """Free the sequences ``dummy_step`` made."""
-        for sid in self._dummies:
-            self.cache.free(sid)
-        self._dummies = []
-
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Hidden states ``[T, H]`` from the per-token inputs (the capturable function)."""
-        return self.model.forward_inputs(inputs)
-
-    def sample(self, step: Step, hidden: torch.Tensor, all_logits: bool = False) -> StepOutput:
-        """lm_head on each chunk's last real token (or every token) and greedy argmax."""
+    def sample(self, hidden: torch.Tensor, step: Step, all_logits: bool = False) -> StepOutput:
+        """lm_head on each chunk's last token (or every token) and greedy argmax."""
         meta = step.metadata
         last = (meta.qo_indptr_host[1:].long() - 1).to(hidden.device)
         h = hidden[: meta.num_tokens] if all_logits else hidden.index_select(0, last)
@@ -170,40 +185,84 @@ class M3Runner:
 
     @torch.inference_mode()
     def step(self, chunks: Sequence[TokenChunk], all_logits: bool = False) -> StepOutput:
-        """make_step -> plan -> forward -> sample, eagerly and unpadded."""
-        s = self.make_step(chunks)
-        self.plan(s, s.num_tokens)
-        return self.sample(s, self.forward(dict(s.inputs)), all_logits)
+        """One step: check and build, run (replay or eager), sample greedily per chunk.
+
+        The chunks' written lengths advance only when the step succeeds."""
+        step = self.make_step(chunks)
+        try:
+            hidden = self.manager.run(step)
+        finally:
+            self.release_dummies()  # a recapture (registered storage moved) ran on dummy requests
+        out = self.sample(hidden, step, all_logits)
+        for ch in chunks:
+            self.cache.set_written(ch.seq_id, ch.end_pos)
+        return out
+
+    # ---- dummy steps for warm-up, capture and validation -------------------------------
+    def dummy_step(self, bucket: int, whole_graph: bool, random_tokens: bool = False) -> Step:
+        """A step of ``bucket`` tokens over private requests (freed by ``release_dummies``):
+        ``bucket`` one-token requests for a whole decode graph, else prefill chunks.
+
+        Raises:
+            ValueError: a whole-graph bucket above ``max_seqs``.
+            RuntimeError: no free pages or block-table rows for the dummy requests.
+        """
+        self.release_dummies()
+        if whole_graph and bucket > self.max_seqs:
+            raise ValueError(f"a whole decode graph of {bucket} tokens needs {bucket} requests but max_seqs="
+                             f"{self.max_seqs}; keep whole-graph buckets <= max_seqs")
+        max_len = self.cache.config.max_seq_len
+        sizes = [1] * bucket if whole_graph else [min(max_len, bucket - i) for i in range(0, bucket, max_len)]
+        gen = torch.Generator().manual_seed(bucket)
+        chunks = []
+        for i, n in enumerate(sizes):
+            sid = (DUMMY, i)
+            self.cache.add_sequence(sid)
+            self._dummies.append(sid)
+            ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=gen) if random_tokens else [0] * n
+            chunks.append(TokenChunk(sid, 0, ids))
+        return self.make_step(chunks)
+
+    @property
+    def has_dummies(self) -> bool:
+        """Whether requests made by ``dummy_step`` are still in the cache."""
+        return bool(self._dummies)
+
+    def release_dummies(self) -> None:
+        """Free the requests ``dummy_step`` made."""
+        for sid in self._dummies:
+            self.cache.free(sid)
+        self._dummies = []
 
 
 def _build(model: MiniMaxM3ForCausalLM, device: torch.device | str, backend: str, max_tokens: int, max_seqs: int,
-           max_seq_len: int, num_pages: int | None) -> M3Runner:
+           max_seq_len: int, num_pages: int | None, capture: CaptureConfig | None) -> M3Runner:
     c = model.config
     pages_per_seq = -(-max_seq_len // c.sparse_block_size)
     kv = c.kv_cache_config(num_pages=num_pages or pages_per_seq * max_seqs, max_seqs=max_seqs,
                            max_pages_per_seq=pages_per_seq, dtype=model.dtype, device=device)
     cache = PagedKVCache(kv)
-    attn = make_backend(backend, cache, num_qo_heads=c.num_attention_heads, topk=c.sparse_topk_blocks,
-                        max_tokens=max_tokens)
-    return M3Runner(model, cache, attn, max_tokens, max_seqs)
+    dims = AttentionDims.for_cache(cache, c.num_attention_heads, c.sparse_topk_blocks, max_tokens)
+    return M3Runner(model, cache, make_backend(backend, cache, dims), max_tokens, max_seqs, capture)
 
 
 def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       *, seed: int = 0, backend: str = "torch", max_tokens: int = 512, max_seqs: int = 8,
                       max_seq_len: int = 4096, num_pages: int | None = None, moe_impl: str = "auto",
-                      producer: str = "auto") -> M3Runner:
+                      producer: str = "auto", capture: CaptureConfig | None = None) -> M3Runner:
     """A runner over a preset (``tiny``, ``slice``, ``rank_of_8``, ``real``) or a config, with
     random weights (``init_random_(seed)``)."""
     config = name if isinstance(name, MiniMaxM3Config) else MiniMaxM3Config.preset(name)
     model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl, producer=producer)
     model.init_random_(seed)
-    return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages)
+    return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
 
 
 def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                           *, num_layers: int | None = None, backend: str = "torch", max_tokens: int = 512,
                           max_seqs: int = 8, max_seq_len: int = 4096, num_pages: int | None = None,
-                          moe_impl: str = "auto", producer: str = "auto") -> M3Runner:
+                          moe_impl: str = "auto", producer: str = "auto",
+                          capture: CaptureConfig | None = None) -> M3Runner:
     """A runner over a checkpoint folder; ``num_layers`` keeps only the first layers."""
     config = MiniMaxM3Config.from_hf(folder)
     truncate = num_layers is not None and num_layers != config.num_hidden_layers
@@ -211,4 +270,4 @@ def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str 
         config = config.first_layers(num_layers)  # type: ignore[arg-type]
     model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl, producer=producer)
     load_checkpoint(model, folder, truncate_layers=truncate)
-    return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages)
+    return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)

@@ -17,13 +17,14 @@ text backbone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, fields
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import MiniMaxM3Config
 from .model import MiniMaxM3ForCausalLM
@@ -121,8 +122,7 @@ def checkpoint_prefix(folder: str | os.PathLike) -> str:
     path = os.path.join(os.fspath(folder), "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{folder!r} has no config.json; a checkpoint folder needs one")
-    with open(path) as f:
-        return VL_PREFIX if "text_config" in json.load(f) else ""
+    return VL_PREFIX if "text_config" in read_json(path) else ""
 
 
 def shard_files(folder: str | os.PathLike) -> list[str]:
@@ -130,8 +130,7 @@ def shard_files(folder: str | os.PathLike) -> list[str]:
     folder = os.fspath(folder)
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         names = list(dict.fromkeys(weight_map.values()))
@@ -146,12 +145,45 @@ def shard_files(folder: str | os.PathLike) -> list[str]:
     return paths
 
 
+MAX_LISTED = 8  # errors of one kind listed in full before the rest are counted
+
+
+def read_json(path: str) -> dict:
+    """A JSON file, with the file named in the error when it does not parse."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint is damaged or incomplete") from None
+
+
+@contextlib.contextmanager
+def open_shard(path: str) -> Iterator[Any]:
+    """``safe_open`` with the shard named in any error (truncated file, bad header)."""
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            yield f
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"shard {path!r} could not be read ({type(e).__name__}: {e}); the file is damaged or "
+                         f"truncated: download it again") from e
+
+
 def _headers(paths: list[str]) -> Iterator[tuple[str, str, list[int], str]]:
     for path in paths:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_shard(path) as f:
             for key in f.keys():
                 s = f.get_slice(key)
                 yield path, key, list(s.get_shape()), s.get_dtype()
+
+
+def _capped(errors: dict[str, list[str]]) -> list[str]:
+    """At most ``MAX_LISTED`` errors of each kind, then a count of the rest."""
+    out = []
+    for kind, items in errors.items():
+        out += items[:MAX_LISTED]
+        if len(items) > MAX_LISTED:
+            out.append(f"... and {len(items) - MAX_LISTED} more {kind} keys")
+    return out
 
 
 def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *, truncate_layers: bool = False) -> LoadReport:
@@ -178,18 +210,22 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *, t
 
     plan: dict[str, list[tuple[str, Target]]] = {p: [] for p in paths}
     seen: dict[str, str] = {}
-    errors: list[str] = []
+    errors: dict[str, list[str]] = {}
+
+    def error(kind: str, msg: str) -> None:
+        errors.setdefault(kind, []).append(msg)
+
     ign_v = ign_m = ign_l = 0
     for path, full_key, shape, dtype in _headers(paths):
         if full_key in seen:
-            errors.append(f"{full_key!r} appears in both {seen[full_key]} and {path}")
+            error("duplicate", f"{full_key!r} appears in both {seen[full_key]} and {path}")
             continue
         seen[full_key] = path
         if full_key.startswith(IGNORED_PREFIXES):
             ign_v += 1
             continue
         if not full_key.startswith(prefix):
-            errors.append(f"unexpected key {full_key!r} (text keys need the prefix {prefix!r} for this config.json)")
+            error("unexpected", f"unexpected key {full_key!r} (text keys need the prefix {prefix!r} for this config.json)")
             continue
         key = full_key[len(prefix):]
         if key.startswith(MTP_PREFIX):
@@ -200,21 +236,23 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *, t
             if truncate_layers and _layer_of(key) is not None and _layer_of(key) >= c.num_hidden_layers:  # type: ignore[operator]
                 ign_l += 1
                 continue
-            errors.append(f"unexpected key {full_key!r}")
+            error("unexpected", f"unexpected key {full_key!r}")
             continue
         if tuple(shape) != t.shape:
-            errors.append(f"{full_key!r} has shape {tuple(shape)}, expected {t.shape}")
+            error("mis-shaped", f"{full_key!r} has shape {tuple(shape)}, expected {t.shape}")
         exp = "F32" if t.fp32 else want_dtype
         if dtype != exp:
-            errors.append(f"{full_key!r} has dtype {dtype}, expected {exp}")
+            error("mis-typed", f"{full_key!r} has dtype {dtype}, expected {exp}")
         plan[path].append((full_key, t))
     found = {k[len(prefix):] for k in seen if k.startswith(prefix)}
     missing = [prefix + k for k in layout if k not in found]
     if missing:
-        errors.append(f"{len(missing)} missing key(s): " + ", ".join(repr(k) for k in missing[:8])
-                      + (" ..." if len(missing) > 8 else ""))
+        error("missing", f"{len(missing)} missing key(s): " + ", ".join(repr(k) for k in missing[:MAX_LISTED])
+              + (" ..." if len(missing) > MAX_LISTED else ""))
     if errors:
-        raise ValueError(f"checkpoint {os.fspath(folder)!r} does not fit the model:\n  " + "\n  ".join(errors))
+        n = sum(len(v) for v in errors.values())
+        raise ValueError(f"checkpoint {os.fspath(folder)!r} does not fit the model ({n} problem(s)):\n  "
+                         + "\n  ".join(_capped(errors)))
 
     params = dict(model.named_parameters())
     nbytes = loaded = 0
@@ -222,9 +260,13 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *, t
         for path, items in plan.items():
             if not items:
                 continue
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with open_shard(path) as f:
                 for full_key, t in items:
                     src = f.get_tensor(full_key)
+                    if src.is_floating_point() and not torch.isfinite(src).all():
+                        bad = int((~torch.isfinite(src)).sum())
+                        raise ValueError(f"checkpoint {os.fspath(folder)!r}: {full_key!r} in {path} holds {bad} "
+                                         f"non-finite values (NaN/inf); the shard's data is damaged: download it again")
                     params[t.param][t.index].copy_(src)
                     nbytes += src.numel() * src.element_size()
                     loaded += 1

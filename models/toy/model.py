@@ -1,4 +1,4 @@
-"""A small transformer that proves graphcap without MiniMax-M3 (tests, benchmark, example).
+"""A small transformer that proves graphcap without MiniMax-M3 (tests, benchmark, the README example).
 
 Per layer: RMSNorm -> fused QKV -> cache write (producer, slot -1 skipped) -> attention
 (splice point, planned per step) -> o_proj -> RMSNorm -> GELU MLP. The KV cache is one
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphcap import InputSpec, StaticInputs, Step, splice
+from graphcap import InputSpec, Padding, StaticInputs, Step, splice
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,7 @@ def make_step(cfg: ToyConfig, chunks: list[tuple[int, int, int]], generator: tor
     ids = torch.randint(0, cfg.vocab, (len(seqs),), generator=generator)
     return Step(
         num_tokens=len(seqs),
+        num_seqs=len(chunks),
         inputs={"input_ids": ids, "positions": positions, "slot_mapping": token_seq * cfg.max_len + positions},
         uniform_decode=all(n == 1 for _, _, n in chunks),
         metadata=ToyBatch(token_seq, positions),
@@ -164,20 +165,22 @@ def make_step(cfg: ToyConfig, chunks: list[tuple[int, int, int]], generator: tor
 
 
 def toy_prepare(model: ToyTransformer):
-    """The ``prepare(step, rows)`` hook: plan the attention once per step."""
+    """The ``prepare(step, padding)`` hook: plan the attention once per step."""
 
-    def prepare(step: Step, rows: int) -> None:
+    def prepare(step: Step, padding: Padding) -> None:
         meta: ToyBatch = step.metadata
-        model.attention.plan(meta.token_seq, meta.positions + 1, rows)
+        model.attention.plan(meta.token_seq, meta.positions + 1, padding.rows)
 
     return prepare
 
 
 def toy_dummy_step(cfg: ToyConfig):
-    """The ``dummy_step(bucket, uniform_decode)`` hook: a step of ``bucket`` tokens."""
+    """The ``dummy_step(bucket, whole_graph)`` hook: a step of ``bucket`` tokens (one token per
+    request for a whole decode graph; the toy's cache rows may repeat, its attention is
+    planned per token)."""
 
-    def dummy(bucket: int, uniform_decode: bool) -> Step:
-        if uniform_decode:
+    def dummy(bucket: int, whole_graph: bool) -> Step:
+        if whole_graph:
             chunks = [(i % cfg.max_seqs, (i // cfg.max_seqs) % cfg.max_len, 1) for i in range(bucket)]
         else:
             chunks = []
@@ -186,8 +189,6 @@ def toy_dummy_step(cfg: ToyConfig):
                 n = min(left, cfg.max_len)
                 chunks.append((len(chunks) % cfg.max_seqs, 0, n))
                 left -= n
-        step = make_step(cfg, chunks)
-        step.uniform_decode = uniform_decode
-        return step
+        return make_step(cfg, chunks)
 
     return dummy

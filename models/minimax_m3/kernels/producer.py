@@ -6,20 +6,20 @@ q (and iq) in place or in caller buffers, normed and rotated K plus raw V in the
 cache, and normed and rotated ik in the index-K cache. Rows with slot ``-1`` (padding) write
 nothing to the caches. It is request-independent, so it is captured inside graph segments.
 
-``norm_rope_cache_write_torch`` is the same computation in plain torch (the reference the
-kernel is tested against, and a fallback the model may call instead).
+``norm_rope_torch`` is the same maths in plain torch (the reference the kernel is tested
+against, and with ``PagedKVCache.write`` the CPU path of ``models.minimax_m3.ops``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from attention.kernels.triton_utils import check_device, next_pow2
-from attention.rope import rope_inv_freq
 
 Tensor = torch.Tensor
 
@@ -86,60 +86,62 @@ class QKVLayout:
 # plain torch
 
 
-def _norm_rope_torch(x: Tensor, weight: Tensor, pos_f: Tensor, inv_freq: Tensor, rot: int, eps: float) -> Tensor:
+def rope_fp32(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Partial NeoX RoPE in fp32: dims ``[0, rot)`` (``rot = 2 * len(inv_freq)``) of every head
+    rotate in split-half pairs ``(i, i + rot/2)`` by ``pos * inv_freq[i]``; the rest pass.
+
+    x: ``[T, heads, D]``; positions: int ``[T]``; inv_freq: fp32 ``[rot / 2]``. Returns fp32.
+    """
+    x = x.float()
+    half = inv_freq.shape[0]
+    if half == 0:
+        return x
+    angle = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rot/2]
+    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([rotated, x[..., 2 * half :]], dim=-1)
+
+
+def _norm_rope_torch(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
     """x [T, H, D] -> fp32 [T, H, D] normed (Gemma, fp32) and partially rotated (NeoX)."""
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
-    if rot == 0:
-        return x
-    angle = pos_f[:, None] * inv_freq[None, :]  # [T, rot/2]
-    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
-    half = rot // 2
-    x1, x2 = x[..., :half], x[..., half:rot]
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return torch.cat([rotated, x[..., rot:]], dim=-1)
+    return rope_fp32(x, positions, inv_freq)
 
 
-def norm_rope_cache_write_torch(
-    qkv: Tensor,
-    positions: Tensor,
-    slot_mapping: Tensor,
-    layout: QKVLayout,
-    inv_freq: Tensor,
-    q_norm: Tensor,
-    k_norm: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    *,
-    index_q_norm: Tensor | None = None,
-    index_k_norm: Tensor | None = None,
-    index_k_cache: Tensor | None = None,
-    q_out: Tensor | None = None,
-    iq_out: Tensor | None = None,
-) -> None:
-    """Plain-torch twin of :func:`norm_rope_cache_write` (same arguments, same effects)."""
-    _check_args(qkv, positions, slot_mapping, layout, inv_freq, k_cache, v_cache, index_k_cache, q_out, iq_out)
+class NormRoped(NamedTuple):
+    """The torch producer's results: fp32 q ``[T, Hq, D]``, k ``[T, Hkv, D]``, raw v
+    ``[T, Hkv, D]``, and for layouts with an index branch fp32 iq ``[T, Hidx, Di]`` and ik
+    ``[T, Di]`` (else ``None``)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    iq: Tensor | None
+    ik: Tensor | None
+
+
+def norm_rope_torch(qkv: Tensor, positions: Tensor, layout: QKVLayout, inv_freq: Tensor, q_norm: Tensor,
+                    k_norm: Tensor, index_q_norm: Tensor | None = None, index_k_norm: Tensor | None = None) -> NormRoped:
+    """Plain-torch twin of the kernel's maths (fp32 throughout, one rounding at the store).
+
+    The caller writes k, v (and ik) with ``PagedKVCache.write``, whose slot ``-1`` rows land
+    in a private sink page: no boolean mask, so the twin is capturable too.
+    """
     L, T = layout, qkv.shape[0]
-    pos_f, rot = positions.to(torch.float32), L.rotary_dim
 
     def heads(off: int, n: int, d: int) -> Tensor:
         return qkv[:, off : off + n * d].view(T, n, d)
 
-    q = _norm_rope_torch(heads(0, L.num_q_heads, L.head_dim), q_norm, pos_f, inv_freq, rot, L.eps)
-    k = _norm_rope_torch(heads(L.k_offset, L.num_kv_heads, L.head_dim), k_norm, pos_f, inv_freq, rot, L.eps)
+    q = _norm_rope_torch(heads(0, L.num_q_heads, L.head_dim), q_norm, positions, inv_freq, L.eps)
+    k = _norm_rope_torch(heads(L.k_offset, L.num_kv_heads, L.head_dim), k_norm, positions, inv_freq, L.eps)
     v = heads(L.v_offset, L.num_kv_heads, L.head_dim)
-    live = slot_mapping >= 0
-    slots = slot_mapping[live]
-    page_size = k_cache.shape[1]
-    pages, offs = slots // page_size, slots % page_size
-    k_cache[pages, offs] = k[live].to(k_cache.dtype)
-    v_cache[pages, offs] = v[live].to(v_cache.dtype)
+    iq = ik = None
     if L.has_index:
-        iq = _norm_rope_torch(heads(L.iq_offset, L.num_index_heads, L.index_dim), index_q_norm, pos_f, inv_freq, rot, L.eps)
-        ik = _norm_rope_torch(heads(L.ik_offset, 1, L.index_dim), index_k_norm, pos_f, inv_freq, rot, L.eps)
-        index_k_cache[pages, offs] = ik[live, 0].to(index_k_cache.dtype)
-        (iq_out if iq_out is not None else heads(L.iq_offset, L.num_index_heads, L.index_dim)).copy_(iq)
-    (q_out if q_out is not None else heads(0, L.num_q_heads, L.head_dim)).copy_(q)
+        iq = _norm_rope_torch(heads(L.iq_offset, L.num_index_heads, L.index_dim), index_q_norm, positions, inv_freq, L.eps)
+        ik = _norm_rope_torch(heads(L.ik_offset, 1, L.index_dim), index_k_norm, positions, inv_freq, L.eps)[:, 0]
+    return NormRoped(q, k, v, iq, ik)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,4 +325,4 @@ def _check_args(qkv: Tensor, positions: Tensor, slot_mapping: Tensor, layout: QK
         raise ValueError(f"iq_out must be [{T}, {L.num_index_heads}, {L.index_dim}], got {tuple(iq_out.shape)}")
 
 
-__all__ = ["QKVLayout", "rope_inv_freq", "norm_rope_cache_write", "norm_rope_cache_write_torch"]
+__all__ = ["NormRoped", "QKVLayout", "norm_rope_cache_write", "norm_rope_torch"]

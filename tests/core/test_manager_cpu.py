@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from graphcap import CaptureConfig, CaptureManager, CaptureViolation, current_step, splice
-from graphcap.splice import step_context
+from graphcap import CaptureConfig, CaptureManager, CaptureViolation, Padding, current_step, splice, step_context
 from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
 
 CFG = ToyConfig(num_layers=2, hidden=32, num_heads=4, vocab=64, max_seqs=6, max_len=32, max_tokens=32)
@@ -21,8 +20,9 @@ def toy_manager(config: CaptureConfig, seed: int = 0):
 
 def reference_logits(model, step):
     """Unpadded eager forward, no graphcap in the way."""
-    toy_prepare(model)(step, step.num_tokens)
-    with step_context(step, None):
+    padding = Padding.unpadded(step.num_tokens, step.num_seqs)
+    toy_prepare(model)(step, padding)
+    with step_context(step, padding):
         return model.forward({**step.inputs, "num_real_tokens": torch.tensor([step.num_tokens])})
 
 
@@ -117,7 +117,7 @@ def test_metadata_read_outside_splice_is_an_error():
     model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32))
     orig = model.norm.forward
     model.norm.forward = lambda x: orig(x) + 0 * len(current_step().metadata.positions)
-    with pytest.raises(RuntimeError, match="read by captured producer code"):
+    with pytest.raises(RuntimeError, match=r"current_step\(\) was read by captured producer code at .*test_manager_cpu.py"):
         manager.run(make_step(CFG, [(0, 0, 4)]))
 
 
@@ -163,3 +163,28 @@ def test_report_renders_and_coverage_attributes_splice_ops():
     print_report(manager, cov, console)
     text = console.export_text()
     assert "graphcap buckets" in text and "toy.attention" in text and "segmented" in text
+
+
+def test_one_padding_decision_reaches_prepare_and_the_splices():
+    """Whole decode graphs pad request rows to the bucket; segmented buckets keep the real ones."""
+    model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, full_graph_max_tokens=4))
+    seen = []
+    prepare = manager.prepare
+    manager.prepare = lambda step, padding: (seen.append(padding), prepare(step, padding))
+    manager.run(make_step(CFG, [(0, 3, 1), (1, 5, 1), (2, 7, 1)]))  # decode of 3: whole graph 4
+    manager.run(make_step(CFG, [(s, 1, 1) for s in range(6)]))  # decode of 6 > whole limit: segmented 8
+    manager.run(make_step(CFG, [(0, 0, 5)]))  # prefill: segmented 8
+    assert seen == [Padding(3, 3, 4, 4, True), Padding(6, 6, 8, 6, False), Padding(5, 1, 8, 1, False)]
+    assert manager.padding_for(make_step(CFG, [(0, 0, 30), (1, 0, 10)])) == Padding.unpadded(40, 2)  # above the ceiling
+
+
+def test_step_is_frozen_and_validated():
+    step = make_step(CFG, [(0, 0, 2)])
+    with pytest.raises(Exception):
+        step.uniform_decode = True
+    with pytest.raises(TypeError):
+        step.inputs["input_ids"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="one token per request"):
+        type(step)(num_tokens=2, num_seqs=1, inputs={}, uniform_decode=True)
+    with pytest.raises(ValueError, match="num_seqs"):
+        type(step)(num_tokens=2, num_seqs=3, inputs={})

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from attention.rope import rope_inv_freq
-from models.minimax_m3.layers import (
-    BlockSparseMoE, DenseMLP, GemmaRMSNorm, apply_rope, route, rope_cos_sin, swiglu_oai,
-)
+from models.minimax_m3.kernels.producer import rope_fp32
+from models.minimax_m3.layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm, route, swiglu_oai
+from models.minimax_m3.ops import make_ops, moe_torch_grouped, moe_torch_loop
 
 
 def gen(seed: int) -> torch.Generator:
@@ -53,9 +53,8 @@ def test_partial_neox_rope(heads, d, rd, theta):
     x = torch.randn(t, heads, d, generator=g)
     pos = torch.randint(0, 5000, (t,), generator=g)
     pos[0] = 0
-    cos, sin = rope_cos_sin(pos, rope_inv_freq(theta, rd))
-    assert cos.shape == (t, rd // 2) and cos.dtype == torch.float32
-    out = apply_rope(x, cos, sin)
+    out = rope_fp32(x, pos, rope_inv_freq(theta, rd))
+    assert out.dtype == torch.float32
     # fp32 angles (as the model's trained tables) are off by ~pos * 6e-8 rad
     torch.testing.assert_close(out.double(), rope_ref(x, pos, rd, theta), atol=1e-3, rtol=1e-3)
     assert torch.equal(out[..., rd:], x[..., rd:])  # dims past rotary_dim are untouched
@@ -66,12 +65,12 @@ def test_partial_neox_rope(heads, d, rd, theta):
     torch.testing.assert_close(n_out, n_in, atol=1e-4, rtol=1e-4)
 
 
-def test_rope_bf16_keeps_dtype():
+def test_rope_of_bf16_input_is_fp32():
     x = torch.randn(4, 2, 32, generator=gen(1)).bfloat16()
     pos = torch.arange(4)
-    out = apply_rope(x, *rope_cos_sin(pos, rope_inv_freq(1e4, 16)))
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), rope_ref(x.float(), pos, 16, 1e4), atol=3e-2, rtol=2e-2)
+    out = rope_fp32(x, pos, rope_inv_freq(1e4, 16))
+    assert out.dtype == torch.float32  # one rounding, at the producer's store
+    torch.testing.assert_close(out.double(), rope_ref(x.float(), pos, 16, 1e4), atol=1e-5, rtol=1e-5)
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -158,13 +157,26 @@ def test_route_padded_rows():
     assert (ids[:4] >= 0).all() and torch.allclose(w[:4].sum(-1), torch.full((4,), 2.0))
 
 
-def make_moe(e: int, local: int, k: int, dtype=torch.float32, impl="auto", seed=0) -> BlockSparseMoE:
+class MoE:
+    """A BlockSparseMoE with the op table of one routed-expert implementation."""
+
+    def __init__(self, module: BlockSparseMoE, impl: str) -> None:
+        self.module, self.impl = module, impl
+
+    def __call__(self, x, n=None):
+        return self.module(x, n, make_ops("torch", x.device, x.dtype, self.impl))
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def make_moe(e: int, local: int, k: int, dtype=torch.float32, impl="auto", seed=0) -> MoE:
     g = gen(seed)
-    m = BlockSparseMoE(32, e, local, k, 16, 24, 2.0, 1.702, 7.0, dtype, impl=impl).requires_grad_(False)
+    m = BlockSparseMoE(32, e, local, k, 16, 24, 2.0, 1.702, 7.0, dtype).requires_grad_(False)
     for name, p in m.named_parameters():
         std = 0.3 if p.dim() == 1 else p.shape[-1] ** -0.5 * 2
         p.data.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
-    return m
+    return MoE(m, impl)
 
 
 def moe_ref(m: BlockSparseMoE, x: torch.Tensor, num_real: int | None = None) -> torch.Tensor:
@@ -217,22 +229,20 @@ def test_moe_grouped_equals_loop_bf16():
     torch.testing.assert_close(ya.float(), yb.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_moe_impl_choice():
-    assert make_moe(4, 4, 1, impl="auto").impl in ("grouped", "loop")
-    with pytest.raises(ValueError, match="impl"):
-        make_moe(4, 4, 1, impl="fast")
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_impl_choice_is_one_op_table_entry():
+    assert make_ops("torch", "cpu", torch.float32, "auto").moe in (moe_torch_grouped, moe_torch_loop)
+    assert make_ops("torch", "cpu", torch.float32, "loop").name == "torch+loop"
+    with pytest.raises(ValueError, match="moe_impl"):
+        make_ops("torch", "cpu", torch.float32, "fast")
 
 
 @pytest.mark.cuda
-@needs_cuda
 def test_moe_grouped_cuda_no_sync_and_graph_replay():
     """The grouped MoE on CUDA bf16: no host sync, and one captured graph replays correctly
     for new inputs, new routings and a new real-token count."""
     host = make_moe(16, 16, 4, torch.bfloat16, impl="grouped", seed=5)  # same weights, fp64 reference
-    m = make_moe(16, 16, 4, torch.bfloat16, impl="grouped", seed=5).cuda()
+    m = make_moe(16, 16, 4, torch.bfloat16, impl="grouped", seed=5)
+    m.module.cuda()
     x = torch.randn(8, 32, generator=gen(20)).bfloat16().cuda()
     n = torch.tensor(8, device="cuda")
     torch.cuda.set_sync_debug_mode("error")

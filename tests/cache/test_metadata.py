@@ -1,14 +1,20 @@
-"""MetadataBuilder: mixed batches, pad values in the persistent buffers, O(chunk) cost, errors."""
+"""MetadataBuilder: mixed batches, pad values in the persistent buffers, O(chunk) cost, the one
+step check (capacity, continuity, duplicates, ids), and TokenChunk's input hygiene."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from attention.metadata import MetadataBuilder, TokenChunk
 from kvcache.paged import KVCacheConfig, PagedKVCache
-from attention.metadata import MetadataBuilder, RequestChunk
+
+
+def C(seq, start, n):  # noqa: N802 - a chunk of n placeholder tokens
+    return TokenChunk(seq, start, [0] * n)
 
 
 def make_cache(num_pages=64, page_size=4, max_seqs=4, max_pages_per_seq=16) -> PagedKVCache:
@@ -54,9 +60,9 @@ def test_mixed_batch_two_decodes_and_a_prefill_chunk():
         cache.add_sequence(s)
         cache.reserve(s, n)
     builder = MetadataBuilder(cache, max_tokens=16, max_seqs=4)
-    chunks = [RequestChunk("d0", 8, 1), RequestChunk("p", 8, 6), RequestChunk("d1", 2, 1)]
+    chunks = [C("d0", 8, 1), C("p", 8, 6), C("d1", 2, 1)]
     m = builder.build(chunks)
-    assert (m.num_tokens, m.num_seqs, m.uniform_decode, m.max_q_len, m.max_kv_len) == (8, 3, False, 6, 14)
+    assert (m.num_tokens, m.num_seqs, m.max_q_len, m.max_kv_len) == (8, 3, 6, 14)
     assert m.qo_indptr.tolist() == [0, 1, 7, 8] and m.qo_indptr.dtype == torch.int32
     assert m.kv_lens.tolist() == [9, 14, 3] and m.kv_lens.dtype == torch.int32
     rows = [cache.seq_slot(s) for s in ("d0", "p", "d1")]
@@ -75,23 +81,19 @@ def test_mixed_batch_two_decodes_and_a_prefill_chunk():
     assert (cache.block_tables[m.buffers.seq_slots[3]] == -1).all()  # pad rows read an empty table
 
 
-def test_uniform_decode_and_pad_to():
+def test_views_past_the_real_rows_read_padding():
     cache = make_cache()
     for s in range(3):
         cache.add_sequence(s)
         cache.reserve(s, 5 + s)
     builder = MetadataBuilder(cache, max_tokens=8, max_seqs=4)
-    m = builder.build([RequestChunk(s, 4 + s, 1) for s in range(3)])
-    assert m.uniform_decode and m.max_q_len == 1
-    p = m.pad_to(4)
-    assert (p.num_tokens, p.num_seqs) == (3, 3)
-    assert p.qo_indptr.tolist() == [0, 1, 2, 3, 3] and p.kv_lens.tolist() == [5, 6, 7, 0]
-    assert p.seq_slots.tolist()[3] == cache.pad_seq_slot
-    assert p.slot_mapping.tolist()[3] == -1 and p.positions.tolist()[3] == 0 and p.token_seq.tolist()[3] == 4
-    with pytest.raises(ValueError, match="pad_to"):
-        m.pad_to(2)
-    with pytest.raises(ValueError, match="num_seqs"):
-        m.pad_to(8)  # a decode bucket of 8 needs 8 request rows; capacity is 4 + 1 pad
+    m = builder.build([C(s, 4 + s, 1) for s in range(3)])
+    assert m.max_q_len == 1
+    p = m.buffers.views(4, 4)  # a whole decode graph of 4 rows over 3 requests
+    assert p["qo_indptr"].tolist() == [0, 1, 2, 3, 3] and p["kv_lens"].tolist() == [5, 6, 7, 0]
+    assert p["seq_slots"].tolist()[3] == cache.pad_seq_slot
+    assert p["slot_mapping"].tolist()[3] == -1 and p["positions"].tolist()[3] == 0 and p["token_seq"].tolist()[3] == 4
+    assert set(m.buffers.tensors()) == {"qo_indptr", "kv_lens", "seq_slots", "token_seq", "positions", "slot_mapping"}
 
 
 def test_repeated_builds_restore_pads():
@@ -108,7 +110,7 @@ def test_repeated_builds_restore_pads():
         for s in seqs:
             n = rng.randint(1, max(1, min(12, budget - (len(seqs) - len(chunks) - 1))))
             budget -= n
-            chunks.append(RequestChunk(s, rng.randint(0, 100 - n), n))
+            chunks.append(C(s, rng.randint(0, 100 - n), n))
         m = builder.build(chunks)
         assert m.num_tokens == sum(c.num_tokens for c in chunks)
         check_buffers(builder, chunks)
@@ -135,43 +137,72 @@ def test_prefill_chunk_cost_is_o_chunk():
     cache._pages["long"] = CountingList(cache._pages["long"])
     builder = MetadataBuilder(cache, max_tokens=8, max_seqs=2)
     CountingList.reads = 0
-    m = builder.build([RequestChunk("long", 39992, 8)])
+    m = builder.build([C("long", 39992, 8)])
     assert CountingList.reads <= 5, f"building an 8-token chunk read {CountingList.reads} page entries"
     pages = cache.pages("long")
     assert m.slot_mapping.tolist() == [pages[p // 2] * 2 + p % 2 for p in range(39992, 40000)]
 
 
-def test_batch_errors_leave_buffers_unchanged():
-    cache = make_cache()
+def test_check_refuses_bad_steps_and_changes_nothing():
+    cache = make_cache(num_pages=9, max_seqs=2, max_pages_per_seq=8)
     for s in range(3):
         cache.add_sequence(s)
-        cache.reserve(s, 8)
+        cache.reserve(s, 12)  # every page taken
+        cache.set_written(s, 7)
     builder = MetadataBuilder(cache, max_tokens=6, max_seqs=2)
-    good = [RequestChunk(0, 7, 1), RequestChunk(1, 2, 4)]
-    builder.build(good)
-    before = {k: getattr(builder.buffers, k).clone() for k in ("qo_indptr", "kv_lens", "slot_mapping", "positions")}
+    builder.build([C(0, 7, 1), C(1, 7, 4)])
+    before = {k: t.clone() for k, t in builder.buffers.tensors().items()}
+    tables, free = cache.block_tables.clone(), cache.num_free_pages
     bad = {
-        "max_tokens=6": [RequestChunk(0, 0, 4), RequestChunk(1, 0, 3)],
-        "max_seqs=2": [RequestChunk(s, 0, 1) for s in range(3)],
-        "reserve": [RequestChunk(2, 6, 3)],
-        "at least one": [],
-        "twice": [RequestChunk(0, 0, 1), RequestChunk(0, 1, 1)],
-        "num_tokens >= 1": [RequestChunk(0, 0, 0)],
-        "start_pos >= 0": [RequestChunk(0, -1, 1)],
-        "unknown sequence": [RequestChunk("x", 0, 1)],
+        "max_tokens=6": [C(0, 7, 4), C(1, 7, 3)],
+        "max_seqs=2": [C(s, 7, 1) for s in range(3)],
+        "at least one TokenChunk": [],
+        "request 0 appears twice": [C(0, 7, 1), C(0, 8, 1)],
+        r"request 'x' is unknown; add it first \(M3Runner.add_request": [C("x", 0, 1)],
+        "request 2: chunk at start_pos=9 skips past the 7 positions written": [C(2, 9, 1)],
+        "request 2: chunk at start_pos=3 rewrites the 7 positions written so far.*rewind": [C(2, 3, 1)],
+        r"request 1: token id 300 is outside the vocabulary \[0, 256\)": [TokenChunk(1, 7, [5, 300])],
+        "a step is a sequence of TokenChunk": [(0, 7, 1)],
+        "would hold 33 positions": [C(0, 7, 26)],
     }
     for msg, chunks in bad.items():
         with pytest.raises(ValueError, match=msg):
-            builder.build(chunks)
-        for k, v in before.items():
-            assert torch.equal(getattr(builder.buffers, k), v), (msg, k)
-    for kw in (dict(max_tokens=0, max_seqs=1), dict(max_tokens=1, max_seqs=0)):
+            builder.max_tokens = 40 if "33" in msg else 6
+            builder.check(chunks, vocab_size=256)
+    builder.max_tokens = 12
+    with pytest.raises(RuntimeError, match="needs 2 new KV pages but 0 of 9 are free"):
+        builder.check([C(0, 7, 6), C(1, 7, 6)])
+    builder.max_tokens = 6
+    for k, v in before.items():
+        assert torch.equal(builder.buffers.tensors()[k], v), k
+    assert torch.equal(cache.block_tables, tables) and cache.num_free_pages == free
+    builder.check([C(0, 7, 1), C(1, 7, 1)])  # a good step passes
+    for kw in (dict(max_tokens=0, max_seqs=1), dict(max_tokens=1, max_seqs=0), dict(max_tokens=True, max_seqs=1)):
         with pytest.raises(ValueError):
             MetadataBuilder(cache, **kw)
 
 
+def test_token_chunk_hygiene_names_the_request():
+    ok = TokenChunk("r", np.int64(3), np.array([1, 2], dtype=np.int32))
+    assert ok.start_pos == 3 and type(ok.start_pos) is int and ok.token_ids == (1, 2) and ok.end_pos == 5
+    assert TokenChunk("r", torch.tensor(2), torch.tensor([7])).token_ids == (7,)
+    for kwargs, msg in [
+        (dict(token_ids=[8.7]), r"request 'r': token_ids\[0\] = 8.7 is not an integer token id"),
+        (dict(token_ids=torch.tensor([1.0])), "1-D integer sequence"),
+        (dict(token_ids=np.array([1.5])), "is not an integer token id"),
+        (dict(token_ids=[True]), "is not an integer token id"),
+        (dict(token_ids=[]), "at least one token"),
+        (dict(token_ids="abc"), "sequence of ints"),
+        (dict(start_pos=-1), "start_pos must be an integer >= 0"),
+        (dict(start_pos=2.0), "start_pos must be an integer >= 0"),
+        (dict(start_pos=True), "start_pos must be an integer >= 0"),
+    ]:
+        args = dict(seq_id="r", start_pos=0, token_ids=[1]) | kwargs
+        with pytest.raises(ValueError, match=msg):
+            TokenChunk(**args)
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_builds_on_cuda_use_consistent_buffers():
     cache = PagedKVCache(KVCacheConfig(
         num_layers=1, sparse_layers=(), num_kv_heads=1, head_dim=4, index_dim=4, page_size=4, num_pages=64,
@@ -182,7 +213,7 @@ def test_builds_on_cuda_use_consistent_buffers():
     builder = MetadataBuilder(cache, max_tokens=24, max_seqs=4)
     assert builder.buffers.positions.is_cuda
     for step in range(6):  # alternate big and small: the two pinned staging sets take turns
-        chunks = [RequestChunk(s, 10 + step, 6 if step % 2 == 0 else 1) for s in range(4 - step % 3)]
+        chunks = [C(s, 10 + step, 6 if step % 2 == 0 else 1) for s in range(4 - step % 3)]
         builder.build(chunks)
         torch.cuda.synchronize()
         check_buffers(builder, chunks)

@@ -1,5 +1,6 @@
 """Fused producer (Gemma norm + partial NeoX RoPE + paged cache writes): the Triton kernel
-against its plain-torch twin, and the twin against a per-element reading of the spec.
+against its plain-torch twin, the twin against a per-element reading of the spec, and the
+model's torch op (twin + ``PagedKVCache.write``) against the kernel op.
 
 On CPU the kernel runs in the Triton interpreter; on a GPU it also runs at real shapes and
 through a capture -> new positions/slots -> replay test.
@@ -7,23 +8,34 @@ through a capture -> new positions/slots -> replay test.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 
 import pytest
-from helpers.triton_compile import run_compile_reports
 import torch
+from helpers.paged import DEV
+from helpers.triton_compile import run_compile_reports
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is decorated
+from attention.rope import rope_inv_freq
+from models.minimax_m3.kernels import producer as cw
+from models.minimax_m3.kernels.producer import QKVLayout, norm_rope_torch
 
-from models.minimax_m3.kernels import producer as cw  # noqa: E402
-from models.minimax_m3.kernels.producer import QKVLayout, norm_rope_cache_write_torch, rope_inv_freq  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(cw._producer_kernel).__name__ != "InterpretedFunction":
-    cw = importlib.reload(cw)  # imported earlier without the interpreter
+def norm_rope_cache_write_torch(qkv, positions, slot_mapping, layout, inv_freq, q_norm, k_norm, k_cache, v_cache, *,
+                                index_q_norm=None, index_k_norm=None, index_k_cache=None, q_out=None, iq_out=None):
+    """The torch twin with the kernel's signature: ``norm_rope_torch`` plus direct cache writes
+    (a boolean mask is fine in a test; the model's path writes through the cache's sink page)."""
+    L, T = layout, qkv.shape[0]
+    r = norm_rope_torch(qkv, positions, L, inv_freq, q_norm, k_norm, index_q_norm, index_k_norm)
+    live = slot_mapping >= 0
+    pages, offs = slot_mapping[live] // k_cache.shape[1], slot_mapping[live] % k_cache.shape[1]
+    k_cache[pages, offs] = r.k[live].to(k_cache.dtype)
+    v_cache[pages, offs] = r.v[live].to(v_cache.dtype)
+    if L.has_index:
+        index_k_cache[pages, offs] = r.ik[live].to(index_k_cache.dtype)
+        dst = iq_out if iq_out is not None else qkv[:, L.iq_offset : L.ik_offset].view(T, L.num_index_heads, L.index_dim)
+        dst.copy_(r.iq)
+    (q_out if q_out is not None else qkv[:, : L.k_offset].view(T, L.num_q_heads, L.head_dim)).copy_(r.q)
+
 
 LAYOUTS = {
     "sparse": QKVLayout(4, 2, 32, num_index_heads=2, index_dim=16, rotary_dim=16),
@@ -174,7 +186,6 @@ REAL = {"real": QKVLayout(64, 4, 128, 4, 128, 64), "rank_of_8": QKVLayout(8, 1, 
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 300])
 @pytest.mark.parametrize("name", list(REAL))
 def test_cuda_real_shapes(name, T):
@@ -185,7 +196,6 @@ def test_cuda_real_shapes(name, T):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_with_new_positions_and_slots():
     L = REAL["real"]
     x = Inputs(L, T=16, seed=5, num_pages=4, page_size=128)
@@ -212,3 +222,30 @@ def test_cuda_graph_replay_with_new_positions_and_slots():
     want = y.run(norm_rope_cache_write_torch)
     for a, b in zip((qkv, None, None, kc, vc, ic), want):
         assert_close_nan_aware(a, b, 1e-2)
+
+
+def test_model_ops_write_the_same_cache_through_the_sink_page():
+    """The op table's torch producer (capturable: padded rows land in the sink page) and the
+    Triton one write identical caches and queries."""
+    from models.minimax_m3.ops import norm_rope_write_torch, norm_rope_write_triton
+    from models.minimax_m3.runner import build_from_preset
+
+    r = build_from_preset("tiny", DEV, torch.float32, max_tokens=16, max_seqs=2, max_seq_len=32)
+    attn = r.model.model.layers[1].self_attn
+    r.cache.add_sequence(0)
+    r.cache.reserve(0, 8)
+    slots = torch.tensor(r.cache.slots(0, 0, 5) + [-1, -1], device=DEV)
+    pos = torch.arange(7, device=DEV)
+    qkv = torch.randn(7, attn.qkv_proj.out_features, device=DEV)
+    outs = []
+    for op in (norm_rope_write_torch, norm_rope_write_triton):
+        r.cache.k_cache.fill_(7.0), r.cache.index_k_cache.fill_(7.0)
+        q = torch.full((7, attn.num_heads, attn.head_dim), float("nan"), device=DEV)
+        iq = torch.full((7, attn.num_index_heads, attn.index_dim), float("nan"), device=DEV)
+        op(attn, qkv.clone(), pos, r.model.rope_inv_freq, slots, r.cache, q, iq)
+        outs.append((q, iq, r.cache.k_cache.clone(), r.cache.index_k_cache.clone()))
+    for a, b in zip(*outs):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    written = (outs[0][2][1] != 7.0).flatten(0, 1).any(-1).any(-1)
+    assert written.sum() == 5  # exactly the live slots; padded rows wrote nothing visible

@@ -9,17 +9,17 @@ import os
 
 import pytest
 import torch
+from m3_reference import reference_logits
 from safetensors.torch import load_file
 
-from attention.base import make_backend
+from attention import AttentionDims, TokenChunk, make_backend
+from graphcap import CaptureConfig, Padding, step_context
+from graphcap.splice import call_splice
 from kvcache.paged import PagedKVCache
-from graphcap import CaptureConfig, CaptureManager, InputSpec, StaticInputs
-from graphcap.splice import call_splice, step_context
-from m3_reference import reference_logits
 from models.minimax_m3.checkpoint_writer import write_synthetic_checkpoint
 from models.minimax_m3.config import MiniMaxM3Config
 from models.minimax_m3.model import MiniMaxM3ForCausalLM
-from models.minimax_m3.runner import TokenChunk, build_from_checkpoint, build_from_preset
+from models.minimax_m3.runner import build_from_checkpoint, build_from_preset
 
 TINY = MiniMaxM3Config.tiny()
 
@@ -136,21 +136,25 @@ def test_padded_rows_write_nothing_and_change_nothing(ckpt):
         r.step([TokenChunk("s", 0, ids[:6])])
     chunk = [TokenChunk("s", 6, ids[6:])]
     s_plain = plain.make_step(chunk)
-    plain.plan(s_plain, s_plain.num_tokens)
-    h_plain = plain.forward(dict(s_plain.inputs))
+    p_plain = Padding.unpadded(s_plain.num_tokens, 1)
+    with step_context(s_plain, p_plain):
+        plain.backend.plan(s_plain, p_plain)
+        h_plain = plain.model.hidden_states(dict(s_plain.inputs))
     s_pad = padded.make_step(chunk)
     t, extra = s_pad.num_tokens, 6
-    padded.plan(s_pad, t + extra)
-    meta = s_pad.metadata.pad_to(t + extra)
+    p_pad = Padding.bucketed(t, 1, t + extra, whole_graph=False)
+    views = s_pad.metadata.buffers.views(t + extra, 1)
     inputs = {
         # pad ids deliberately not 0: whatever sits in padded rows must stay out of real rows
         "input_ids": torch.cat([s_pad.inputs["input_ids"], torch.tensor(prompt(extra, 99))]),
-        "positions": meta.positions,
-        "slot_mapping": meta.slot_mapping,
+        "positions": views["positions"],
+        "slot_mapping": views["slot_mapping"],
         "num_real_tokens": torch.tensor([t]),
     }
     assert (inputs["slot_mapping"][t:] == -1).all() and (inputs["positions"][t:] == 0).all()
-    h_pad = padded.forward(inputs)
+    with step_context(s_pad, p_pad):
+        padded.backend.plan(s_pad, p_pad)
+        h_pad = padded.model.hidden_states(inputs)
     assert h_pad.shape[0] == t + extra
     torch.testing.assert_close(h_pad[:t], h_plain, atol=1e-5, rtol=1e-5)
     for c_plain, c_pad in zip(_caches(plain), _caches(padded)):
@@ -162,7 +166,7 @@ def test_forward_goes_through_the_splice_points(ckpt):
     r = runner(ckpt)
     r.add_request("s")
     step = r.make_step([TokenChunk("s", 0, prompt(9, 8))])
-    r.plan(step, step.num_tokens)
+    padding = Padding.unpadded(step.num_tokens, 1)
     seen: list[str] = []
 
     class Driver:
@@ -170,8 +174,9 @@ def test_forward_goes_through_the_splice_points(ckpt):
             seen.append(op.name)
             return call_splice(op, fn, args, kwargs)
 
-    with step_context(step, Driver()):
-        h = r.forward(dict(step.inputs))
+    with step_context(step, padding, Driver()):
+        r.backend.plan(step, padding)
+        h = r.model.hidden_states(dict(step.inputs))
     assert seen == ["attention.dense", "attention.sparse", "attention.sparse", "attention.sparse"]
     assert torch.isfinite(h).all()
 
@@ -194,15 +199,20 @@ def test_attach_checks_shapes(ckpt):
     r = runner(ckpt)
     m = MiniMaxM3ForCausalLM(TINY)
     with pytest.raises(RuntimeError, match="attach"):
-        m(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.full((1,), -1))
+        m.hidden_states({"input_ids": torch.zeros(1, dtype=torch.long), "positions": torch.zeros(1, dtype=torch.long),
+                         "slot_mapping": torch.full((1,), -1)})
+
+    def backend(cache, topk=3):
+        return make_backend("torch", cache, AttentionDims.for_cache(cache, 4, topk, 8))
+
     other = dataclasses.replace(TINY, num_key_value_heads=1, sparse_num_index_heads=1)
     cache = PagedKVCache(other.kv_cache_config(num_pages=4, max_seqs=1, max_pages_per_seq=4))
     with pytest.raises(ValueError, match="num_kv_heads"):
-        m.attach(cache, make_backend("torch", cache, num_qo_heads=4, topk=3))
+        m.attach(cache, backend(cache))
     with pytest.raises(ValueError, match="topk"):
-        m.attach(r.cache, make_backend("torch", r.cache, num_qo_heads=4, topk=2))
+        m.attach(r.cache, backend(r.cache, topk=2))
     with pytest.raises(ValueError, match="different cache"):
-        m.attach(r.cache, make_backend("torch", PagedKVCache(r.cache.config), num_qo_heads=4, topk=3))
+        m.attach(r.cache, backend(PagedKVCache(r.cache.config)))
     m.attach(r.cache, r.backend)
 
 
@@ -222,7 +232,6 @@ def test_out_of_pages_reserves_nothing(ckpt):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_cpu(ckpt, dtype):
     """Same steps on CUDA (fp32: loop MoE; bf16: grouped MoE) track the CPU fp32 model."""
@@ -263,13 +272,10 @@ def test_build_from_preset_and_truncated_checkpoint(ckpt):
 
 
 def test_runs_under_capture_manager_debug_eager(ckpt):
-    """The runner's hooks plug into CaptureManager: padded to buckets through the splice path,
-    the logits equal plain unpadded steps."""
-    r, ref = runner(ckpt), runner(ckpt)
-    specs = [InputSpec("input_ids", torch.int64, 0), InputSpec("positions", torch.int64, 0),
-             InputSpec("slot_mapping", torch.int64, -1)]
+    """With capture on (debug-eager on CPU), steps are padded to buckets through the splice path
+    and the logits equal plain unpadded steps."""
     cfg = CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, buckets=(2, 4, 16, 32))
-    mgr = CaptureManager(r.forward, StaticInputs(specs, 32, "cpu"), cfg, prepare=r.plan, dummy_step=r.dummy_step)
+    r, ref = runner(ckpt, capture=cfg), runner(ckpt)
     dummy = r.dummy_step(3, True)
     assert dummy.num_tokens == 3 and dummy.uniform_decode
     with pytest.raises(ValueError, match="max_seqs"):
@@ -283,11 +289,15 @@ def test_runs_under_capture_manager_debug_eager(ckpt):
     for x in (r, ref):
         x.add_request("a")
         x.add_request("b")
-    with torch.inference_mode():
-        for chunks in steps:
-            step = r.make_step(chunks)
-            got = r.sample(step, mgr.run(step))
-            want = ref.step(chunks)
-            assert got.next_tokens == want.next_tokens
-            torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
-    assert mgr.stats.bucket(16, False).hits == 2 and mgr.stats.bucket(2, True).hits == 2  # padded, not bypassed
+    for chunks in steps:
+        got, want = r.step(chunks), ref.step(chunks)
+        assert got.next_tokens == want.next_tokens
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    stats = r.manager.stats
+    assert stats.bucket(16, False).hits == 2 and stats.bucket(2, False).hits == 1  # padded, not bypassed
+    # The torch backend loops on the host: whole decode graphs are refused for it, and the
+    # debug-eager path learned that from the first whole-graph step, as capture would have.
+    assert stats.bucket(2, True).status == "skipped" and "attention.sparse" in stats.bucket(2, True).reason
+    r.capture()  # debug-eager capture runs each whole-graph bucket once to learn the same
+    assert {k for k, b in stats.buckets.items() if b.status == "skipped"} == {(2, True), (4, True)}
+    assert r.cache.num_live_seqs == 2  # its dummy requests are gone again

@@ -235,3 +235,48 @@ def test_truncated_layers(ckpt):
 def test_sharded_config_has_no_checkpoint_layout():
     with pytest.raises(ValueError, match="sharded"):
         checkpoint_layout(MiniMaxM3Config.tiny().shard(2, 2))
+
+
+# ---- damaged files: errors name the file or the key -----------------------------------------
+
+
+def test_corrupted_payload_with_intact_header_is_refused_naming_the_key(ckpt_copy):
+    key = P + "model.layers.2.self_attn.o_proj.weight"
+    index = json.load(open(os.path.join(ckpt_copy, "model.safetensors.index.json")))
+    path = os.path.join(ckpt_copy, index["weight_map"][key])
+    data = bytearray(open(path, "rb").read())
+    header = 8 + int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:header])[key]
+    start = header + meta["data_offsets"][0]
+    data[start : start + 8] = b"\xff" * 8  # two fp32 NaNs in the payload; the header still parses
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"o_proj\.weight' in .* holds 2 non-finite values"):
+        load_checkpoint(poisoned_model(MiniMaxM3Config.tiny()), ckpt_copy)
+
+
+def test_truncated_shard_names_the_file(ckpt_copy):
+    path = sorted(glob.glob(os.path.join(ckpt_copy, "model-*.safetensors")))[1]
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"shard '{path}' could not be read .*truncated"):
+        load_checkpoint(poisoned_model(MiniMaxM3Config.tiny()), ckpt_copy)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "config.json"])
+def test_invalid_json_names_the_file(ckpt_copy, name):
+    with open(os.path.join(ckpt_copy, name), "w") as f:
+        f.write('{"weight_map": {')
+    with pytest.raises(ValueError, match=rf"{name} is not valid JSON"):
+        load_checkpoint(poisoned_model(MiniMaxM3Config.tiny()), ckpt_copy)
+
+
+def test_many_mismatched_keys_are_capped(ckpt_copy):
+    key = P + "model.norm.weight"
+    extra = {P + f"model.layers.0.bogus_{i}.weight": torch.zeros(2) for i in range(40)}
+    edit_shard(ckpt_copy, key, lambda t: t.update(extra))
+    m = poisoned_model(MiniMaxM3Config.tiny())
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(m, ckpt_copy)
+    msg = str(e.value)
+    assert "40 problem(s)" in msg and "... and 32 more unexpected keys" in msg
+    assert len(msg.splitlines()) <= 12, msg

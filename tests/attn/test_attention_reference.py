@@ -3,18 +3,20 @@ brute force written straight from the spec: per token, per head, contiguous K/V 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from helpers.paged import PagedScenario, planned
 
-from attention.base import BACKENDS, TorchAttention, make_backend
+from attention import BACKENDS, AttentionBackend, AttentionDims, TokenChunk, make_backend
+from attention.backends.split import LayerSplit
+from attention.backends.torch import TorchAttention
+from attention.backends.triton import TritonAttention
 from attention.reference.dense import dense_attention_ref
 from attention.reference.indexer import index_topk_ref
-from kvcache.paged import KVCacheConfig, PagedKVCache
-from attention.metadata import MetadataBuilder, RequestChunk
 from attention.reference.sparse import sparse_attention_ref
-from graphcap.splice import Step, call_splice, step_context
+from graphcap import Padding, Step, step_context
+from graphcap.splice import call_splice
+from kvcache.paged import PagedKVCache
 
 # (Hq, Hkv, D, Di, B, topk, [(context L, query tokens n), ...]); queries are the last n positions.
 CASES = [
@@ -26,51 +28,28 @@ CASES = [
 ]
 
 
-class Scenario:
-    """Sequences with contiguous fp64 K/V/index-K, the same data in a paged fp32 cache, and a step."""
+class Scenario(PagedScenario):
+    """A paged fp32 cache and a step; brute force reads each sequence's K/V contiguously (fp64)."""
 
     def __init__(self, hq, hkv, d, di, bs, specs, seed, dtype=torch.float32):
-        g = torch.Generator().manual_seed(seed)
-        self.hq, self.hkv, self.d, self.bs, self.specs = hq, hkv, d, bs, specs
-        self.scale = 1 / math.sqrt(d)
-        maxlen = max(length for length, _ in specs)
-        self.cache = PagedKVCache(KVCacheConfig(
-            num_layers=2, sparse_layers=(1,), num_kv_heads=hkv, head_dim=d, index_dim=di, page_size=bs,
-            num_pages=sum(-(-length // bs) for length, _ in specs) + 3, max_seqs=len(specs),
-            max_pages_per_seq=-(-maxlen // bs), dtype=dtype, index_dtype=dtype))
+        super().__init__(specs, hq=hq, hkv=hkv, d=d, di=di, bs=bs, seed=seed, dtype=dtype, device="cpu",
+                         spare_pages=3, max_tokens=sum(n for _, n in specs) + 4)
         c = self.cache
-        for i in range(len(specs)):
-            c.add_sequence(i)
-        # Round-robin page growth so each sequence's pages are scattered in the pool.
-        for npg in range(1, -(-maxlen // bs) + 1):
-            for i, (length, _) in enumerate(specs):
-                c.reserve(i, min(length, npg * bs))
-        r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).double()  # noqa: E731
-        self.K = [r(length, hkv, d) for length, _ in specs]
-        self.V = [r(length, hkv, d) for length, _ in specs]
-        self.IK = [r(length, di) for length, _ in specs]
-        for layer in (0, 1):
-            for i, (length, _) in enumerate(specs):
-                sm = torch.tensor(c.slots(i, 0, length), dtype=torch.int64)
-                c.write(layer, sm, self.K[i].float(), self.V[i].float(), self.IK[i].float() if layer else None)
-        self.chunks = [RequestChunk(i, length - n, n) for i, (length, n) in enumerate(specs)]
-        self.meta = MetadataBuilder(c, max_tokens=sum(n for _, n in specs) + 4, max_seqs=len(specs)).build(self.chunks)
-        self.T = self.meta.num_tokens
-        self.tok = [(i, length - n + j) for i, (length, n) in enumerate(specs) for j in range(n)]  # (seq, pos)
-        self.q = r(self.T, hq, d)
-        self.iq = r(self.T, hkv, di)
-        self.dtype = dtype
+        self.K = {layer: [self.sequence(c.k_cache[layer], i) for i in range(len(specs))] for layer in (0, 1)}
+        self.V = {layer: [self.sequence(c.v_cache[layer], i) for i in range(len(specs))] for layer in (0, 1)}
+        self.IK = [self.sequence(c.index_k_cache[0], i) for i in range(len(specs))]
+        self.q, self.iq = self.q[: self.T].double(), self.iq[: self.T].double()
 
     def poisoned_out(self, pad=3):
         return torch.full((self.T + pad, self.hq, self.d), float("nan"), dtype=self.dtype)
 
 
-def brute_dense(sc, t):
+def brute_dense(sc, t, layer=0):
     s, p = sc.tok[t]
     grp = sc.hq // sc.hkv
     o = torch.empty(sc.hq, sc.d, dtype=torch.float64)
     for h in range(sc.hq):
-        k, v = sc.K[s][: p + 1, h // grp], sc.V[s][: p + 1, h // grp]
+        k, v = sc.K[layer][s][: p + 1, h // grp], sc.V[layer][s][: p + 1, h // grp]
         o[h] = torch.softmax(k @ sc.q[t, h] * sc.scale, 0) @ v
     return o
 
@@ -94,7 +73,7 @@ def brute_sparse(sc, t, sel):
     o = torch.empty(sc.hq, sc.d, dtype=torch.float64)
     for h in range(sc.hq):
         keys = [j for j in range(p + 1) if j // sc.bs in sel[h // grp]]
-        k, v = sc.K[s][keys, h // grp], sc.V[s][keys, h // grp]
+        k, v = sc.K[1][s][keys, h // grp], sc.V[1][s][keys, h // grp]
         o[h] = torch.softmax(k @ sc.q[t, h] * sc.scale, 0) @ v
     return o
 
@@ -154,7 +133,7 @@ def test_groups_select_different_blocks():
 def test_low_precision_output_dtype():
     sc = Scenario(4, 2, 16, 8, 4, [(18, 6), (5, 1)], seed=11, dtype=torch.bfloat16)
     q = sc.q.to(torch.bfloat16)
-    sc.q = q.double()  # brute force sees the rounded values
+    sc.q = q.double()  # brute force sees the rounded values (the cache is bf16 already)
     out = sc.poisoned_out()
     dense_attention_ref(q, sc.cache.k_cache[0], sc.cache.v_cache[0], sc.meta, out, sc.scale)
     assert out.dtype == torch.bfloat16
@@ -174,18 +153,22 @@ def test_reference_argument_errors():
 # ---- backend ---------------------------------------------------------------------------
 
 
+def dims_for(sc, topk, max_tokens):
+    return AttentionDims.for_cache(sc.cache, sc.hq, topk, max_tokens)
+
+
 def test_torch_backend_matches_references_and_leaves_padding():
     hq, hkv, d, di, bs, topk, specs = CASES[0]
     sc = Scenario(hq, hkv, d, di, bs, specs, seed=21)
-    be = make_backend("torch", sc.cache, num_qo_heads=hq, topk=topk, max_tokens=sc.T + 8)
+    be = make_backend("torch", sc.cache, dims_for(sc, topk, sc.T + 8))
     assert isinstance(be, TorchAttention) and be.topk_buf.shape == (hkv, sc.T + 8, topk)
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="outside a step"):
         be.dense(0, sc.q.float(), sc.poisoned_out())
-    be.plan(sc.meta)
     q, iq = sc.q.float(), sc.iq.float()
     out_d, out_s = sc.poisoned_out(), sc.poisoned_out()
-    be.dense(0, q, out_d)
-    be.sparse(1, q, iq, out_s)
+    with planned(be, sc.step()):
+        be.dense(0, q, out_d)
+        be.sparse(1, q, iq, out_s)
     ref_d, ref_s = sc.poisoned_out(), sc.poisoned_out()
     dense_attention_ref(q, sc.cache.k_cache[0], sc.cache.v_cache[0], sc.meta, ref_d, sc.scale)
     idx = torch.empty(hkv, sc.T, topk, dtype=torch.int32)
@@ -198,12 +181,15 @@ def test_torch_backend_matches_references_and_leaves_padding():
         torch.testing.assert_close(got[: sc.T], ref[: sc.T], atol=0, rtol=0)
 
 
-def test_backend_ops_are_splice_points():
+def test_backend_ops_are_splice_points_declared_once():
     sc = Scenario(4, 2, 8, 8, 4, [(9, 2)], seed=5)
-    be = make_backend("torch", sc.cache, num_qo_heads=4, topk=2, max_tokens=8)
-    assert TorchAttention.dense.graphcap_splice.name == "attention.dense"
-    assert TorchAttention.sparse.graphcap_splice.name == "attention.sparse"
-    assert not TorchAttention.sparse.graphcap_splice.graph_safe_decode
+    be = make_backend("torch", sc.cache, dims_for(sc, 2, 8))
+    for cls in (TorchAttention, TritonAttention, LayerSplit):
+        assert cls.dense is AttentionBackend.dense and cls.sparse is AttentionBackend.sparse  # no per-backend copies
+    assert AttentionBackend.dense.graphcap_splice.name == "attention.dense"
+    assert AttentionBackend.sparse.graphcap_splice.name == "attention.sparse"
+    whole = Padding.bucketed(2, 2, 2, whole_graph=True)
+    assert not AttentionBackend.sparse.graphcap_splice.graph_safe((be,), whole)  # torch: host loops
 
     class Driver:
         seen: list[str] = []
@@ -214,25 +200,50 @@ def test_backend_ops_are_splice_points():
 
     drv = Driver()
     out = sc.poisoned_out()
-    with step_context(Step(sc.T, {}, metadata=sc.meta), drv):
-        be.plan(sc.meta)
+    step, padding = sc.step(), Padding.unpadded(sc.T, sc.meta.num_seqs)
+    with step_context(step, padding, drv):
+        be.plan(step, padding)
         be.dense(0, sc.q.float(), out)
         be.sparse(1, sc.q.float(), sc.iq.float(), out)
     assert drv.seen == ["attention.dense", "attention.sparse"]
     assert not out[: sc.T].isnan().any()
 
 
-def test_make_backend_errors_and_auto():
+def test_layer_split_composes_and_answers_per_part():
+    sc = Scenario(4, 2, 8, 8, 4, [(9, 2), (5, 1)], seed=6)
+    dims = dims_for(sc, 2, 8)
+    split = LayerSplit(dense=TorchAttention(sc.cache, dims), sparse=TritonAttention(sc.cache, dims))
+    whole = Padding.bucketed(4, 4, 4, whole_graph=True)
+    assert not split.dense_graph_safe(whole) and split.sparse_graph_safe(whole)
+    assert set(split.graph_tensors()) == {"dense.topk_buf", "sparse.topk_buf"}
+    assert split.topk_buf is split.sparse_part.topk_buf
+    q = sc.q.float()
+    out, ref = sc.poisoned_out(), sc.poisoned_out()
+    with planned(split, sc.step()):
+        split.dense(0, q, out)
+    dense_attention_ref(q, sc.cache.k_cache[0], sc.cache.v_cache[0], sc.meta, ref, sc.scale)
+    torch.testing.assert_close(out[: sc.T], ref[: sc.T], atol=0, rtol=0)
+    other = PagedKVCache(sc.cache.config)
+    with pytest.raises(ValueError, match="share one cache"):
+        LayerSplit(dense=TorchAttention(other, dims), sparse=TritonAttention(sc.cache, dims))
+
+
+def test_make_backend_errors_and_auto_says_why():
     sc = Scenario(4, 2, 8, 8, 4, [(5, 1)], seed=1)
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        make_backend("nope", sc.cache, num_qo_heads=4)
-    assert "torch" in BACKENDS
-    assert isinstance(make_backend("auto", sc.cache, num_qo_heads=4, topk=2), TorchAttention)  # CPU cache
+        make_backend("nope", sc.cache, dims_for(sc, 2, 8))
+    assert {"torch", "triton", "flashinfer"} <= set(BACKENDS)
+    auto = make_backend("auto", sc.cache, dims_for(sc, 2, 8))  # CPU cache
+    assert isinstance(auto, TorchAttention) and auto.auto_choice.kind == "torch"
+    assert set(auto.auto_choice.skipped) == {"flashinfer", "triton"} and "CUDA" in auto.auto_choice.skipped["triton"]
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        make_backend("torch", sc.cache, num_qo_heads=3)
+        AttentionDims(3, 2, 8, 2, 4, 0.5, 8)
     with pytest.raises(ValueError, match="page_size"):
-        make_backend("torch", sc.cache, num_qo_heads=4, block_size=8)
-    be = make_backend("torch", sc.cache, num_qo_heads=4, topk=2, max_tokens=1)
-    big = MetadataBuilder(sc.cache, 4, 1).build([RequestChunk(0, 3, 2)])
+        TorchAttention(sc.cache, AttentionDims(4, 2, 8, 2, 8, 0.5, 8))
+    with pytest.raises(ValueError, match="max_tokens"):
+        AttentionDims(4, 2, 8, 2, 4, 0.5, True)
+    be = make_backend("torch", sc.cache, dims_for(sc, 2, 1))
+    big = sc.plan([TokenChunk(0, 3, [0, 0])])
     with pytest.raises(ValueError, match="max_tokens=1"):
-        be.plan(big)
+        with planned(be, Step(2, 1, {}, metadata=big)):
+            pass

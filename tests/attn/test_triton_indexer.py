@@ -6,55 +6,25 @@ compiled, plus real MiniMax-M3 shapes and a capture -> re-plan -> replay test.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
-from helpers.triton_compile import run_compile_reports
 import torch
+from helpers.paged import DEV, PagedScenario
+from helpers.triton_compile import run_compile_reports
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-
-from attention.kernels import indexer as indexer_triton  # noqa: E402
-from attention.reference.indexer import block_scores, index_topk_ref  # noqa: E402
-from kvcache.paged import KVCacheConfig, PagedKVCache  # noqa: E402
-from attention.metadata import MetadataBuilder, RequestChunk  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(indexer_triton._partial_kernel).__name__ != "InterpretedFunction":
-    indexer_triton = importlib.reload(indexer_triton)  # imported earlier without the interpreter
+from attention.kernels import indexer as indexer_triton
+from attention.metadata import TokenChunk
+from attention.reference.indexer import block_scores, index_topk_ref
 
 
-class Scenario:
-    """Sequences in a paged cache filled with random data (stale slots too), and one step.
+class Scenario(PagedScenario):
+    """One sparse cache layer with random index-K (stale slots too) and one step's index queries.
 
     specs: [(context length incl. this step, query tokens this step)]; queries are the tail.
     """
 
-    def __init__(self, specs, hkv, di, bs, seed, dtype=torch.bfloat16, device=DEV, spare_pages=2, max_tokens=None):
-        g = torch.Generator(device=device).manual_seed(seed)
-        self.g, self.device, self.dtype = g, device, dtype
-        npages = [-(-length // bs) for length, _ in specs]
-        self.cache = PagedKVCache(KVCacheConfig(
-            num_layers=1, sparse_layers=(0,), num_kv_heads=hkv, head_dim=16, index_dim=di, page_size=bs,
-            num_pages=sum(npages) + spare_pages, max_seqs=len(specs), max_pages_per_seq=max(npages) + spare_pages,
-            dtype=dtype, index_dtype=dtype, device=device))
-        c = self.cache
-        for i in range(len(specs)):
-            c.add_sequence(i)
-        for n in range(1, max(npages) + 1):  # round-robin growth scatters each sequence's pages
-            for i, (length, _) in enumerate(specs):
-                c.reserve(i, min(length, n * bs))
-        c.index_k_cache.copy_(torch.randn(c.index_k_cache.shape, generator=g, device=device))
-        total = sum(n for _, n in specs)
-        self.builder = MetadataBuilder(c, max_tokens=max_tokens or total + 3, max_seqs=len(specs))
-        self.meta = self.builder.build([RequestChunk(i, length - n, n) for i, (length, n) in enumerate(specs)])
-        self.T = total
-        self.iq = self.randn(self.builder.max_tokens, hkv, di)
-
-    def randn(self, *shape):
-        return torch.randn(shape, generator=self.g, device=self.device).to(self.dtype)
+    def __init__(self, specs, hkv, di, bs, seed, dtype=torch.bfloat16, spare_pages=2, max_tokens=None):
+        super().__init__(specs, hq=hkv, hkv=hkv, d=16, di=di, bs=bs, seed=seed, dtype=dtype, layers=1,
+                         sparse_layers=(0,), spare_pages=spare_pages, max_tokens=max_tokens)
 
 
 def assert_same_selection(out, ref, scores=None, atol=0.0):
@@ -134,7 +104,7 @@ def test_decode_reads_only_device_buffers():
     old_meta, out = sc.meta, poisoned(sc, 3, 4)
     indexer_triton.index_topk_decode(iq, ik, old_meta, 3, out)
     sc.cache.reserve(0, 38)
-    sc.meta = sc.builder.build([RequestChunk(2, 44, 1), RequestChunk(0, 37, 1)])
+    sc.meta = sc.builder.build([TokenChunk(2, 44, [0]), TokenChunk(0, 37, [0])])
     sc.T = 2
     sc.cache.index_k_cache.copy_(torch.randn(sc.cache.index_k_cache.shape, device=DEV))
     iq.copy_(torch.randn(iq.shape, device=DEV))
@@ -211,7 +181,6 @@ def ref_scores(sc):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ctx", [1024, 8192, 32768, 131072])
 def test_cuda_real_shapes(ctx):
     topk = REAL["topk"]
@@ -229,7 +198,6 @@ def test_cuda_real_shapes(ctx):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_with_new_metadata():
     topk, bucket = REAL["topk"], 8
     sc = Scenario([(5000, 1), (300, 1), (9000, 1), (130, 1)], REAL["hkv"], REAL["di"], REAL["bs"], seed=7,
@@ -246,7 +214,7 @@ def test_cuda_graph_replay_with_new_metadata():
     c = sc.cache
     c.reserve(0, 5000 + 700)
     c.reserve(2, 9000 + 129)
-    meta2 = sc.builder.build([RequestChunk(2, 9000 + 128, 1), RequestChunk(0, 5000 + 600, 1), RequestChunk(1, 299, 1)])
+    meta2 = sc.builder.build([TokenChunk(2, 9000 + 128, [0]), TokenChunk(0, 5000 + 600, [0]), TokenChunk(1, 299, [0])])
     c.index_k_cache.normal_()
     iq.copy_(torch.randn_like(iq))
     out.fill_(-7)

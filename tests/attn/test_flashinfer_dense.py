@@ -16,16 +16,27 @@ import types
 
 import pytest
 import torch
+from helpers.paged import planned
 
+from attention.backends.flashinfer import (
+    FlashinferAttention,
+    flashinfer_available,
+    gather_page_indices,
+    paged_kv_layout,
+)
+from attention.base import AttentionBackend
+from attention.dims import AttentionDims
+from attention.metadata import MetadataBuilder, TokenChunk
 from attention.reference.dense import dense_attention_ref
-from attention.backends.flashinfer_dense import FlashinferDenseAttention, flashinfer_available, gather_page_indices, paged_kv_layout
-from attention.backends.flashinfer import FlashinferAttention
-from kvcache.paged import KVCacheConfig, PagedKVCache
-from attention.metadata import MetadataBuilder, RequestChunk
+from graphcap import Padding, Step
 from graphcap.validation import relative_error
+from kvcache.paged import KVCacheConfig, PagedKVCache
 
 HQ, HKV, D, PAGE = 64, 4, 128, 128
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def dims(cache, hq=HQ, max_tokens=1024):
+    return AttentionDims.for_cache(cache, hq, 16, max_tokens)
 
 
 def new_cache(num_pages, page, max_seqs, max_pages_per_seq, device="cpu", hkv=HKV, d=D, dtype=torch.bfloat16,
@@ -82,13 +93,13 @@ def test_gathered_page_ids_are_the_cache_pages(seed):
     ids = [f"s{i}" for i in range(nseq)]
     add_seqs(cache, ids, lens)
     decode = rng.random() < 0.5
-    chunks = [RequestChunk(s, n - 1, 1) if decode else RequestChunk(s, max(0, n - 3), min(n, 3)) for s, n in zip(ids, lens)]
+    chunks = [TokenChunk(s, n - 1, [0]) if decode else TokenChunk(s, max(0, n - 3), [0] * min(n, 3))
+              for s, n in zip(ids, lens)]
     meta = MetadataBuilder(cache, max_tokens=32, max_seqs=6).build(chunks)
-    meta = meta.pad_to(meta.num_tokens + 1)
-    rows = meta.seq_slots.shape[0]
+    rows = meta.num_seqs + (1 if decode else 0)  # a whole decode graph pads request rows
     indptr, _ = paged_kv_layout(meta.kv_lens_host, rows, page)
     out = torch.full((int(indptr[-1]),), -7, dtype=torch.int32)
-    gather_page_indices(indptr, meta.seq_slots, meta.block_tables, out)
+    gather_page_indices(indptr, meta.buffers.seq_slots[:rows], meta.block_tables, out)
     want = [p for s, n in zip(ids, lens) for p in cache.pages(s)[: -(-n // page)]]
     assert out.tolist() == want
 
@@ -101,23 +112,26 @@ def test_missing_flashinfer_names_it_and_the_cuda_extra(monkeypatch):
     assert not flashinfer_available()
     cache = new_cache(4, 4, max_seqs=2, max_pages_per_seq=2, hkv=1, d=8)
     with pytest.raises(ImportError, match=r"flashinfer.*'cuda' extra"):
-        FlashinferDenseAttention(cache, 2)
-    with pytest.raises(ImportError, match=r"flashinfer.*'cuda' extra"):
-        FlashinferAttention(cache, num_qo_heads=2)
+        FlashinferAttention(cache, dims(cache, 2))
 
 
 def test_cpu_cache_is_refused_even_with_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     cache = new_cache(4, 4, max_seqs=2, max_pages_per_seq=2, hkv=1, d=8)
     with pytest.raises(RuntimeError, match="CUDA"):
-        FlashinferDenseAttention(cache, 2)
-    with pytest.raises(RuntimeError, match="CUDA"):
-        FlashinferAttention(cache, num_qo_heads=2)
+        FlashinferAttention(cache, dims(cache, 2))
 
 
-def test_dense_is_a_decode_graph_safe_splice():
-    op = FlashinferAttention.dense.graphcap_splice
-    assert op.name == "attention.dense" and op.graph_safe_decode
+def test_dense_is_the_base_splice_graph_safe_per_bucket():
+    """The splice is declared once in the base; flashinfer answers per bucket: a whole decode
+    graph is safe exactly for the batch sizes init_capture made graph-mode wrappers for."""
+    assert FlashinferAttention.dense is AttentionBackend.dense
+    op = AttentionBackend.dense.graphcap_splice
+    assert op.name == "attention.dense"
+    fake = FlashinferAttention.__new__(FlashinferAttention)
+    fake._decode = {1: object(), 6: object()}
+    assert op.graph_safe((fake,), Padding.bucketed(5, 5, 6, whole_graph=True))
+    assert not op.graph_safe((fake,), Padding.bucketed(3, 3, 4, whole_graph=True))
 
 
 # ---- GPU: flashinfer against the reference ------------------------------------------------
@@ -130,7 +144,7 @@ def batch(mode, ctx):
         specs = [(ctx - 128, 128), (ctx - 1, 1), (0, min(ctx, 300)), (ctx // 2 + 6, 1), (ctx // 3, 77)]
     else:
         specs = [(n - 1, 1) for n in (ctx, ctx - 1, ctx - 129, ctx // 2 + 7, 3)]
-    return [s + n for s, n in specs], [RequestChunk(i, s, n) for i, (s, n) in enumerate(specs)]
+    return [s + n for s, n in specs], [TokenChunk(i, s, [0] * n) for i, (s, n) in enumerate(specs)]
 
 
 def reference(q, cache, meta):
@@ -147,8 +161,11 @@ def check(out, ref, meta):
     assert torch.isnan(pad).all() or (pad == 0).all(), "padded rows must be zero or untouched"
 
 
+def step_of(meta, uniform):
+    return Step(meta.num_tokens, meta.num_seqs, {}, uniform, meta)
+
+
 @pytest.mark.cuda
-@needs_cuda
 @pytest.mark.parametrize("ctx", [1024, 8192, 32768])
 @pytest.mark.parametrize("mode", ["mixed", "decode", "decode_padded", "decode_eager"])
 def test_flashinfer_dense_matches_reference(mode, ctx):
@@ -159,21 +176,36 @@ def test_flashinfer_dense_matches_reference(mode, ctx):
     add_seqs(cache, list(range(len(lens))), lens)
     cache.k_cache.normal_(), cache.v_cache.normal_()
     meta = MetadataBuilder(cache, max_tokens=1024, max_seqs=8, device="cuda").build(chunks)
-    if mode == "decode_padded":
-        meta = meta.pad_to(8)  # a decode bucket of 8 with 3 padded requests
-    sizes = (1,) if mode == "decode_eager" else (1, 2, 4, 5, 8)  # decode_eager: batch 5 has no graph wrapper
-    attn = FlashinferDenseAttention(cache, HQ, decode_batch_sizes=sizes)
-    rows = meta.seq_slots.shape[0] if meta.uniform_decode else meta.num_tokens
-    q = torch.randn(rows, HQ, D, device="cuda").to(torch.bfloat16)
+    n, b = meta.num_tokens, meta.num_seqs
+    # decode_padded: a whole decode graph of 8 with 3 padded requests; decode_eager: batch 5 has no wrapper
+    padding = Padding.bucketed(n, b, 8, whole_graph=True) if mode == "decode_padded" else Padding.unpadded(n, b)
+    attn = FlashinferAttention(cache, dims(cache))
+    attn.init_capture((1,) if mode == "decode_eager" else (1, 2, 4, 5, 8), 8)
+    q = torch.randn(padding.rows, HQ, D, device="cuda").to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    attn.plan(meta)
-    attn.run(0, q, out)
+    with planned(attn, step_of(meta, mode != "mixed"), padding):
+        attn.dense(0, q, out)
     torch.cuda.synchronize()
     check(out, reference(q, cache, meta), meta)
 
 
 @pytest.mark.cuda
-@needs_cuda
+def test_whole_graph_without_a_wrapper_is_refused_in_plan():
+    pytest.importorskip("flashinfer")
+    lens, chunks = batch("decode", 1024)
+    cache = new_cache(pages_needed(lens, PAGE) + 4, PAGE, max_seqs=8, max_pages_per_seq=8, device="cuda")
+    add_seqs(cache, list(range(len(lens))), lens)
+    meta = MetadataBuilder(cache, max_tokens=64, max_seqs=8, device="cuda").build(chunks)
+    attn = FlashinferAttention(cache, dims(cache))
+    attn.init_capture((1, 2), 8)
+    with pytest.raises(ValueError, match="no graph-mode flashinfer wrapper"):
+        with planned(attn, step_of(meta, True), Padding.bucketed(5, 5, 6, whole_graph=True)):
+            pass
+    with pytest.raises(ValueError, match="exceed the flashinfer buffers"):
+        attn.init_capture((16,), 8)
+
+
+@pytest.mark.cuda
 def test_decode_graph_replays_a_new_plan():
     """Capture decode at bucket 4 (3 requests + 1 pad), re-plan with other lengths and block
     tables (4 real requests), replay, compare."""
@@ -183,21 +215,22 @@ def test_decode_graph_replays_a_new_plan():
     cache = new_cache(pages_needed(lens_b, PAGE) + 8, PAGE, max_seqs=4, max_pages_per_seq=130, device="cuda")
     cache.k_cache.normal_(), cache.v_cache.normal_()
     builder = MetadataBuilder(cache, max_tokens=16, max_seqs=4, device="cuda")
-    attn = FlashinferDenseAttention(cache, HQ, decode_batch_sizes=(1, 4))
+    attn = FlashinferAttention(cache, dims(cache, max_tokens=16))
+    attn.init_capture((1, 4), 4)
     attn.warmup()
 
     a = ["a0", "a1", "a2"]
     add_seqs(cache, a, lens_a)
-    meta_a = builder.build([RequestChunk(s, n - 1, 1) for s, n in zip(a, lens_a)]).pad_to(4)
+    meta_a = builder.build([TokenChunk(s, n - 1, [0]) for s, n in zip(a, lens_a)])
     q = torch.randn(4, HQ, D, device="cuda").to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    attn.plan(meta_a)
-    attn.run(0, q, out)  # eager run of the plan the graph is captured with
-    torch.cuda.synchronize()
-    check(out, reference(q, cache, meta_a), meta_a)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attn.run(0, q, out)
+    with planned(attn, step_of(meta_a, True), Padding.bucketed(3, 3, 4, whole_graph=True)):
+        attn.dense(0, q, out)  # eager run of the plan the graph is captured with
+        torch.cuda.synchronize()
+        check(out, reference(q, cache, meta_a), meta_a)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attn.dense(0, q, out)
 
     pages_a = [cache.pages(s) for s in a]
     for s in a:
@@ -206,17 +239,19 @@ def test_decode_graph_replays_a_new_plan():
     b = ["b0", "b1", "b2", "b3"]
     add_seqs(cache, b, lens_b)
     assert [cache.pages(s)[0] for s in b[:3]] != [p[0] for p in pages_a]
-    meta_b = builder.build([RequestChunk(s, n - 1, 1) for s, n in zip(b, lens_b)]).pad_to(4)
-    attn.plan(meta_b)
-    q.copy_(torch.randn(4, HQ, D, device="cuda").to(torch.bfloat16))
-    out.fill_(float("nan"))
-    graph.replay()
+    meta_b = builder.build([TokenChunk(s, n - 1, [0]) for s, n in zip(b, lens_b)])
+    with planned(attn, step_of(meta_b, True), Padding.bucketed(4, 4, 4, whole_graph=True)):
+        q.copy_(torch.randn(4, HQ, D, device="cuda").to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
     torch.cuda.synchronize()
     check(out, reference(q, cache, meta_b), meta_b)
+    tensors = attn.graph_tensors()
+    assert {"workspace", "indptr", "indices", "last_page_len"} <= set(tensors)
+    assert any(k.startswith("decode4.") and "int_workspace" in k for k in tensors), sorted(tensors)
 
 
 @pytest.mark.cuda
-@needs_cuda
 def test_backend_dense_splice_matches_reference():
     pytest.importorskip("flashinfer")
     torch.manual_seed(5)
@@ -226,11 +261,10 @@ def test_backend_dense_splice_matches_reference():
     add_seqs(cache, list(range(len(lens))), lens)
     cache.k_cache.normal_(), cache.v_cache.normal_()
     meta = MetadataBuilder(cache, max_tokens=1024, max_seqs=8, device="cuda").build(chunks)
-    backend = FlashinferAttention(cache, num_qo_heads=HQ, max_tokens=1024)
+    backend = FlashinferAttention(cache, dims(cache))
     q = torch.randn(meta.num_tokens, HQ, D, device="cuda").to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    backend.plan(meta)
-    backend.dense(0, q, out)
+    with planned(backend, step_of(meta, False)):
+        backend.dense(0, q, out)
     torch.cuda.synchronize()
     check(out, reference(q, cache, meta), meta)
-

@@ -7,77 +7,40 @@ compiled, plus real MiniMax-M3 shapes and capture -> re-plan -> replay tests.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
-from helpers.triton_compile import run_compile_reports
 import torch
+from helpers.paged import DEV, PagedScenario, planned
+from helpers.triton_compile import run_compile_reports
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+from attention.backends.torch import TorchAttention
+from attention.backends.triton import TritonAttention
+from attention.dims import AttentionDims
+from attention.kernels import sparse as sparse_triton
+from attention.metadata import TokenChunk
+from attention.reference.dense import dense_attention_ref
+from attention.reference.indexer import index_topk_ref
+from attention.reference.sparse import sparse_attention_ref
+from graphcap import Padding, step_context
 
-from attention.kernels import indexer as indexer_triton, sparse as sparse_triton; from attention.backends import triton as triton_backend  # noqa: E402
-from attention.base import TorchAttention  # noqa: E402
-from attention.reference.dense import dense_attention_ref  # noqa: E402
-from attention.reference.indexer import index_topk_ref  # noqa: E402
-from kvcache.paged import KVCacheConfig, PagedKVCache  # noqa: E402
-from attention.metadata import MetadataBuilder, RequestChunk  # noqa: E402
-from attention.reference.sparse import sparse_attention_ref  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(sparse_triton._attn_kernel).__name__ != "InterpretedFunction":
-    indexer_triton = importlib.reload(indexer_triton)  # imported earlier without the interpreter
-    sparse_triton = importlib.reload(sparse_triton)
-    triton_backend = importlib.reload(triton_backend)
 # bf16 operands with fp32 accumulation; fp32 inputs run fp32 ("ieee") dots, also on a GPU.
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
-class Scenario:
+class Scenario(PagedScenario):
     """Random paged K/V/index-K (stale slots too), one step, q/iq, and reference selections.
 
-    specs: [(context length incl. this step, query tokens this step)]; queries are the tail.
-    Layer 0 is dense, layer 1 sparse.
+    specs: [(context length incl. this step, query tokens this step)]. Layer 0 is dense, layer 1 sparse.
     """
 
     def __init__(self, specs, hq, hkv, d, bs, topk, seed, dtype=torch.bfloat16, spare_pages=2, max_tokens=None):
-        g = torch.Generator(device=DEV).manual_seed(seed)
-        self.g, self.dtype, self.topk, self.scale = g, dtype, topk, d**-0.5
-        npages = [-(-length // bs) for length, _ in specs]
-        self.cache = c = PagedKVCache(KVCacheConfig(
-            num_layers=2, sparse_layers=(1,), num_kv_heads=hkv, head_dim=d, index_dim=d, page_size=bs,
-            num_pages=sum(npages) + spare_pages, max_seqs=len(specs), max_pages_per_seq=max(npages) + spare_pages,
-            dtype=dtype, index_dtype=dtype, device=DEV))
-        for i in range(len(specs)):
-            c.add_sequence(i)
-        for n in range(1, max(npages) + 1):  # round-robin growth scatters each sequence's pages
-            for i, (length, _) in enumerate(specs):
-                c.reserve(i, min(length, n * bs))
-        self.refill()
-        self.builder = MetadataBuilder(c, max_tokens=max_tokens or sum(n for _, n in specs) + 3, max_seqs=len(specs))
-        self.plan([RequestChunk(i, length - n, n) for i, (length, n) in enumerate(specs)])
-        rows = self.builder.max_tokens
-        self.q, self.iq = self.randn(rows, hq, d), self.randn(rows, hkv, d)
-
-    def randn(self, *shape):
-        return torch.randn(shape, generator=self.g, device=DEV).to(self.dtype)
-
-    def refill(self):
-        for t in (self.cache.k_cache, self.cache.v_cache, self.cache.index_k_cache):
-            t.copy_(torch.randn(t.shape, generator=self.g, device=DEV))
-
-    def plan(self, chunks):
-        self.meta = self.builder.build(chunks)
-        self.T = self.meta.num_tokens
+        super().__init__(specs, hq=hq, hkv=hkv, d=d, bs=bs, seed=seed, dtype=dtype, spare_pages=spare_pages,
+                         max_tokens=max_tokens)
+        self.topk = topk
 
     def ref_selection(self):
         sel = torch.full((self.cache.config.num_kv_heads, self.T, self.topk), -7, dtype=torch.int32, device=DEV)
         index_topk_ref(self.iq, self.cache.index_k_cache[0], self.meta, self.topk, self.cache.page_size, sel)
         return sel
-
-    def poisoned_out(self, rows=None):
-        return torch.full((rows or self.q.shape[0],) + self.q.shape[1:], float("nan"), dtype=self.dtype, device=DEV)
 
     def sparse_ref(self, sel):
         ref = torch.zeros((self.T,) + self.q.shape[1:], dtype=torch.float32, device=DEV)
@@ -90,6 +53,9 @@ class Scenario:
         dense_attention_ref(self.q[: self.T].float(), self.cache.k_cache[0], self.cache.v_cache[0], self.meta, ref,
                             self.scale)
         return ref
+
+    def dims(self, max_tokens=None):
+        return AttentionDims.for_cache(self.cache, self.hq, self.topk, max_tokens or self.builder.max_tokens)
 
 
 def rel_err(out, ref):
@@ -176,16 +142,16 @@ def test_gather_reference_matches_sparse_reference():
 def test_backend_matches_torch_backend(decode):
     specs = [(37, 1), (12, 1), (50, 1)] if decode else [(37, 9), (12, 1), (50, 2)]
     sc = Scenario(specs, 4, 2, 32, 4, 3, seed=50 + decode, dtype=torch.float32)
-    dims = dict(num_qo_heads=4, topk=3, max_tokens=sc.builder.max_tokens)
-    tri, ref = triton_backend.TritonAttention(sc.cache, **dims), TorchAttention(sc.cache, **dims)
-    rows = sc.q.shape[0] if decode else sc.T  # decode buckets carry pad rows
-    for be in (tri, ref):
-        be.plan(sc.meta)
+    tri, ref = TritonAttention(sc.cache, sc.dims()), TorchAttention(sc.cache, sc.dims())
+    rows = sc.q.shape[0] if decode else sc.T  # a whole decode graph carries pad rows
+    n, b = sc.T, sc.meta.num_seqs
+    padding = Padding.bucketed(n, b, rows, whole_graph=True) if decode else Padding.unpadded(n, b)
     outs = {}
     for name, be in (("triton", tri), ("torch", ref)):
         o_sparse, o_dense = sc.poisoned_out(rows), sc.poisoned_out(rows)
-        be.sparse(1, sc.q[:rows], sc.iq[:rows], o_sparse)
-        be.dense(0, sc.q[:rows], o_dense)
+        with planned(be, sc.step(), padding):
+            be.sparse(1, sc.q[:rows], sc.iq[:rows], o_sparse)
+            be.dense(0, sc.q[:rows], o_dense)
         outs[name] = (o_sparse, o_dense)
     assert torch.equal(tri.topk_buf[:, : sc.T], ref.topk_buf[:, : sc.T])  # random data: no near-ties
     for a, b in zip(outs["triton"], outs["torch"]):
@@ -198,22 +164,24 @@ def test_decode_reads_only_device_buffers():
     with the *old* metadata object must compute the new step from the persistent buffers."""
     sc = Scenario([(30, 1), (9, 1), (45, 1)], 4, 2, 32, 4, 3, seed=60, dtype=torch.float32, spare_pages=4,
                   max_tokens=4)
-    be = triton_backend.TritonAttention(sc.cache, num_qo_heads=4, topk=3, max_tokens=4)
-    be.plan(sc.meta)
+    be = TritonAttention(sc.cache, sc.dims(4))
     q, iq = sc.q.clone(), sc.iq.clone()
     o_sparse, o_dense = sc.poisoned_out(), sc.poisoned_out()
-    be.sparse(1, q, iq, o_sparse)
-    be.dense(0, q, o_dense)
+    old_step, old_padding = sc.step(), Padding.bucketed(3, 3, 4, whole_graph=True)
+    with planned(be, old_step, old_padding):
+        be.sparse(1, q, iq, o_sparse)
+        be.dense(0, q, o_dense)
     sc.cache.reserve(0, 38)
-    sc.plan([RequestChunk(2, 44, 1), RequestChunk(0, 37, 1)])  # the backend keeps the old metadata
+    sc.plan([TokenChunk(2, 44, [0]), TokenChunk(0, 37, [0])])  # new metadata in the same buffers
     sc.refill()
     q.copy_(torch.randn(q.shape, device=DEV))
     iq.copy_(torch.randn(iq.shape, device=DEV))
     sc.q, sc.iq = q, iq
     o_sparse.fill_(float("nan"))
     o_dense.fill_(float("nan"))
-    be.sparse(1, q, iq, o_sparse)
-    be.dense(0, q, o_dense)
+    with step_context(old_step, old_padding):  # the ops still hold the old metadata object, as a graph would
+        be.sparse(1, q, iq, o_sparse)
+        be.dense(0, q, o_dense)
     sel = sc.ref_selection()
     assert torch.equal(be.topk_buf[:, :2], sel)
     assert rel_err(o_sparse[:2], sc.sparse_ref(sel)) < TOL[torch.float32]
@@ -278,7 +246,6 @@ def random_selection(meta, T, hkv, topk, bs, g, share=4):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ctx", [1024, 8192, 32768, 131072])
 def test_cuda_real_shapes(ctx):
     hq, hkv, d, bs, topk = 64, 4, 128, 128, 16
@@ -305,12 +272,11 @@ def test_cuda_real_shapes(ctx):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_with_new_metadata():
     hq, hkv, d, bs, topk, bucket = 64, 4, 128, 128, 16, 8
     sc = Scenario([(5000, 1), (300, 1), (9000, 1), (130, 1)], hq, hkv, d, bs, topk, seed=80, spare_pages=80,
                   max_tokens=bucket)
-    be = triton_backend.TritonAttention(sc.cache, num_qo_heads=hq, topk=topk, max_tokens=bucket)
+    be = TritonAttention(sc.cache, sc.dims(bucket))
     q, iq = sc.q[:bucket].clone(), sc.iq[:bucket].clone()
     o_sparse, o_dense = sc.poisoned_out(bucket), sc.poisoned_out(bucket)
 
@@ -318,23 +284,23 @@ def test_cuda_graph_replay_with_new_metadata():
         be.sparse(1, q, iq, o_sparse)
         be.dense(0, q, o_dense)
 
-    be.plan(sc.meta)
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    with planned(be, sc.step(), Padding.bucketed(4, 4, bucket, whole_graph=True)):
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
     sc.cache.reserve(0, 5700)
     sc.cache.reserve(2, 9129)
-    sc.plan([RequestChunk(2, 9128, 1), RequestChunk(0, 5600, 1), RequestChunk(1, 299, 1)])
-    be.plan(sc.meta)
+    sc.plan([TokenChunk(2, 9128, [0]), TokenChunk(0, 5600, [0]), TokenChunk(1, 299, [0])])
     sc.refill()
     q.copy_(torch.randn(q.shape, device=DEV))
     iq.copy_(torch.randn(iq.shape, device=DEV))
     sc.q, sc.iq = q, iq
     o_sparse.fill_(float("nan"))
     o_dense.fill_(float("nan"))
-    graph.replay()
+    with planned(be, sc.step(), Padding.bucketed(3, 3, bucket, whole_graph=True)):
+        graph.replay()
     torch.cuda.synchronize()
     sel = be.topk_buf[:, : sc.T].clone()
     ref_sel = sc.ref_selection()

@@ -1,0 +1,246 @@
+"""MiniMax-M3 producers at the per-GPU shapes of TP8/EP8: eager vs graphcap with torch
+producers vs graphcap with fused producers vs graphcap capturing torch.compile'd producers.
+
+GPU only. One model (``rank-of-8``, 60 layers by default, random bf16 weights) and one paged
+cache; every request has ``--context`` tokens of (random) context, written straight into the
+cache. Per mode the same steps run:
+
+- ``eager``: no graphs, torch producers (``producer=torch``);
+- ``torch``: graphcap (whole decode graphs, segmented mixed steps), torch producers;
+- ``fused``: graphcap, the fused op table (Triton norms, router, MoE, SwiGLU, norm+RoPE+cache);
+- ``compile``: graphcap capturing ``torch.compile``d torch producers (Inductor, default mode: no
+  CUDA graphs of its own; the norms, dense MLP and MoE, each a function of tensors so one
+  compile per shape serves every layer) with the fused norm+RoPE+cache-write kernel.
+
+Columns per step: GPU-busy us per layer (sum of kernel durations in one profiled step / layers),
+kernels per layer, wall ms per step (median of ``--iters``, incl. plan, copy-in and sampling),
+and capture seconds per mode. Correctness: every mode's logits against the ``torch`` mode's on
+the same step, and a ``--decode-steps`` greedy decode (teacher-forced on the torch mode's
+tokens) where every step whose top-2 logit gap exceeds the bf16 error bound must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from attention.metadata import TokenChunk
+from graphcap import CaptureConfig
+from graphcap.report import choices_table, kernel_table, measure_coverage
+from graphcap.validation import relative_error
+from models.minimax_m3 import ops as m3ops
+from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.layers import route, routed_grouped
+from models.minimax_m3.runner import M3Runner, build_from_preset
+
+
+def compiled_ops() -> m3ops.M3Ops:
+    """The torch op table with its norms, dense MLP and MoE compiled by Inductor."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 64
+
+    @torch.compile(dynamic=False)
+    def rms(x, w, eps: float):
+        return m3ops.rmsnorm_torch(x, w, eps)
+
+    @torch.compile(dynamic=False)
+    def add_rms(x, r, w, eps: float):
+        return m3ops.add_rmsnorm_torch(x, r, w, eps)
+
+    @torch.compile(dynamic=False)
+    def mlp_fn(x, gu_w, down_w, alpha: float, limit: float):
+        inter = down_w.shape[1]
+        gu = torch.nn.functional.linear(x, gu_w)
+        return torch.nn.functional.linear(m3ops.swiglu_oai(gu[:, :inter], gu[:, inter:], alpha, limit), down_w)
+
+    @torch.compile(dynamic=False)
+    def moe_fn(x, n, gate_w, bias, w13, w2, sh_gu, sh_down, top_k: int, scale: float, alpha: float, limit: float,
+               offset: int):
+        ids, w = route(x, gate_w, bias, top_k, scale, n)
+        routed = routed_grouped(x, ids, w, w13, w2, alpha, limit, offset)
+        inter = sh_down.shape[1]
+        gu = torch.nn.functional.linear(x, sh_gu)
+        shared = torch.nn.functional.linear(m3ops.swiglu_oai(gu[:, :inter], gu[:, inter:], alpha, limit), sh_down)
+        return (routed + shared.float()).to(x.dtype)
+
+    def mlp(m, x):
+        return mlp_fn(x, m.gate_up_proj.weight, m.down_proj.weight, m.alpha, m.limit)
+
+    def moe(m, x, n):
+        sh = m.shared_experts
+        return moe_fn(x, n, m.gate.weight, m.e_score_correction_bias, m.experts.w13, m.experts.w2,
+                      sh.gate_up_proj.weight, sh.down_proj.weight, m.top_k, m.scale, m.alpha, m.limit, m.expert_offset)
+
+    return m3ops.M3Ops("compile", m3ops.norm_rope_write_triton, rms, add_rms, mlp, moe)
+
+
+def run_again(runner: M3Runner, chunks: list[TokenChunk]):
+    out = runner.step(chunks)
+    for ch in chunks:
+        runner.rewind_request(ch.seq_id, ch.start_pos)
+    return out
+
+
+def wall_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=60)
+    p.add_argument("--context", type=int, default=3000)
+    p.add_argument("--decode", default="1,8,32,64")
+    p.add_argument("--mixed", default="30,1024", help="decodes,prefill chunk of the mixed step")
+    p.add_argument("--modes", default="eager,torch,fused,compile")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--decode-steps", type=int, default=200, help="greedy agreement check, fused vs torch")
+    p.add_argument("--json", default="bench_m3_producers.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_m3_producers needs a CUDA GPU")
+    torch.manual_seed(0)
+    sizes = [int(x) for x in args.decode.split(",")]
+    n_dec, chunk = (int(x) for x in args.mixed.split(","))
+    max_seqs = max(max(sizes), n_dec + 1)
+    ceiling = n_dec + chunk
+    buckets = tuple(sorted({*sizes, ceiling}))
+    config = MiniMaxM3Config.rank_of_8().first_layers(args.layers)
+    t0 = time.perf_counter()
+    base = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=ceiling, max_seqs=max_seqs,
+                             max_seq_len=args.context + chunk + args.decode_steps + 8, producer="torch")
+    build_s = time.perf_counter() - t0
+    model, cache = base.model, base.cache
+    for t in (cache.k_cache, cache.v_cache, cache.index_k_cache):
+        t.normal_()  # random context: attention reads as much as it would over a real prompt
+    prefill_seq = max_seqs - 1
+    for i in range(max_seqs):
+        ctx = args.context - chunk if i == prefill_seq else args.context
+        base.add_request(i)
+        cache.reserve(i, ctx)
+        cache.set_written(i, ctx)
+    vocab = config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+
+    def tok() -> list[int]:
+        return [int(torch.randint(0, vocab, (1,), generator=gen))]
+
+    steps = {f"decode {n}": [TokenChunk(i, args.context, tok()) for i in range(n)] for n in sizes}
+    prompt = torch.randint(0, vocab, (chunk,), generator=gen).tolist()
+    steps[f"mixed {n_dec}+{chunk}"] = ([TokenChunk(i, args.context, tok()) for i in range(n_dec)]
+                                       + [TokenChunk(prefill_seq, args.context - chunk, prompt)])
+    tables = {"torch": model.ops, "eager": model.ops, "fused": m3ops.make_ops("triton", "cuda", torch.bfloat16),
+              "compile": None}
+    results: dict = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, layers=args.layers,
+                         context=args.context, buckets=buckets, build_s=build_s, modes={})
+    ref_logits: dict[str, torch.Tensor] = {}
+    trace: dict | None = None
+    print(f"MiniMax-M3 rank-of-8, {args.layers} layers, bf16, context {args.context}, buckets {buckets}; "
+          f"built in {build_s:.1f} s; attention {base.backend.describe()}")
+    for mode in args.modes.split(","):
+        model.ops = tables[mode] if tables[mode] is not None else compiled_ops()
+        capture = CaptureConfig(enabled=mode != "eager", max_tokens=ceiling, buckets=buckets,
+                                guard_producers=mode != "compile")
+        runner = base.with_capture(capture)
+        t0 = time.perf_counter()
+        runner.capture()
+        capture_s = time.perf_counter() - t0
+        rows = []
+        for name, chunks in steps.items():
+            out = run_again(runner, chunks).logits.float()
+            err = relative_error(out, ref_logits.setdefault(name, out))  # against the first mode's logits
+            ms = wall_ms(lambda r=runner, c=chunks: run_again(r, c), args.iters)
+            step = runner.make_step(chunks)
+            cov = measure_coverage(runner.manager, step, layers=args.layers)
+            kernels = cov.in_graphs + cov.eager
+            rows.append(dict(step=name, wall_ms=ms, busy_us=cov.busy_us, busy_us_per_layer=cov.busy_us / args.layers,
+                             kernels_per_layer=kernels / args.layers, in_graphs=cov.in_graphs, eager_kernels=cov.eager,
+                             rel_err_vs_first_mode=err, coverage=cov.as_dict()))
+            print(f"{mode:8s} {name:14s} busy {cov.busy_us / 1e3:8.2f} ms ({cov.busy_us / args.layers:7.1f} us/layer, "
+                  f"{kernels / args.layers:5.1f} kernels/layer)  wall {ms:7.2f} ms  err vs first mode {err:.1e}")
+            if mode == "fused" and name in ("decode 1", f"mixed {n_dec}+{chunk}"):
+                from rich.console import Console
+
+                Console(width=150).print(kernel_table(cov, top=15))
+        stats = runner.manager.stats
+        results["modes"][mode] = dict(capture_s=capture_s, capture_ms_graphs=stats.capture_ms,
+                                      graph_mib=stats.memory_mib, rows=rows)
+        if model.ops.tuner is not None:
+            from rich.console import Console
+
+            Console(width=150).print(choices_table(model.ops.tuner.choices))
+            results["modes"][mode]["kernel_choices"] = [
+                dict(op=c.op, key=c.key, chosen=c.chosen, timings_us=c.timings_us, rejected=c.rejected)
+                for c in model.ops.tuner.choices.values()]
+        if mode in ("torch", "fused") and args.decode_steps:
+            trace = decode_trace(runner, args.decode_steps, args.context, trace if mode == "fused" else None)
+            if mode == "fused":
+                results["greedy_agreement"] = trace
+                print("greedy agreement (fused vs torch producers):", trace)
+        runner.manager.release()
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print_table(results, args.layers)
+
+
+def decode_trace(runner: M3Runner, n_steps: int, context: int, reference: dict | None = None) -> dict:
+    """``n_steps`` greedy decode steps of 4 requests. Without ``reference``: record the inputs,
+    greedy tokens, top-2 logit gaps and bf16 error bounds (2e-2 of the logits' rms, the bf16
+    tolerance used elsewhere). With it: run the reference's inputs (teacher forcing) and count,
+    over the steps whose reference gap exceeds the bound, the greedy tokens that agree."""
+    seqs = [0, 1, 2, 3]
+    tokens = [7] * len(seqs)
+    rec: dict = dict(inputs=[], next=[], gap=[], bound=[])
+    checked = agree = 0
+    for s in range(n_steps):
+        if reference is not None:
+            tokens = reference["inputs"][s]
+        out = runner.step([TokenChunk(q, context + s, [t]) for q, t in zip(seqs, tokens)])
+        logits = out.logits.float()
+        top2 = logits.topk(2, dim=-1).values
+        rec["inputs"].append(tokens)
+        rec["next"].append(out.next_tokens)
+        rec["gap"].append((top2[:, 0] - top2[:, 1]).tolist())
+        rec["bound"].append((2e-2 * logits.pow(2).mean(-1).sqrt()).tolist())
+        if reference is not None:
+            for r in range(len(seqs)):
+                if reference["gap"][s][r] > reference["bound"][s][r]:
+                    checked += 1
+                    agree += out.next_tokens[r] == reference["next"][s][r]
+        tokens = out.next_tokens
+    for q in seqs:
+        runner.rewind_request(q, context)
+    if reference is None:
+        return rec
+    return dict(steps=n_steps, requests=len(seqs), checked=checked, agree=agree,
+                identical_tokens=sum(a == b for a, b in zip(rec["next"], reference["next"])))
+
+
+def print_table(results: dict, layers: int) -> None:
+    modes = results["modes"]
+    names = [r["step"] for r in next(iter(modes.values()))["rows"]]
+    print(f"\n{'step':14s} " + " ".join(f"{m + ' us/layer':>18s} {'krn/l':>6s} {'wall ms':>8s}" for m in modes))
+    for i, name in enumerate(names):
+        cells = []
+        for m in modes.values():
+            r = m["rows"][i]
+            cells.append(f"{r['busy_us_per_layer']:>18.1f} {r['kernels_per_layer']:>6.1f} {r['wall_ms']:>8.2f}")
+        print(f"{name:14s} " + " ".join(cells))
+    print("capture s: " + ", ".join(f"{m} {v['capture_s']:.1f}" for m, v in modes.items()))
+
+
+if __name__ == "__main__":
+    main()

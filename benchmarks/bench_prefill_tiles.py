@@ -1,0 +1,270 @@
+"""Benchmark request-aligned token tiles on a mixed serving step (GPU).
+
+The step: ``--decodes`` decode requests (1 token, context ``--decode-ctx``) and one prefill
+chunk of ``--chunk`` tokens starting at ``--chunk-start`` of its prompt, at rank-of-8 shapes
+(8 q heads, 1 kv head = 1 index head, head_dim 128, index dim 128, block 128, top-16); the
+prefill chunk sits in the middle of the batch, as a scheduler may place it.
+
+Rows, indexer and attention separately, median of ``triton.testing.do_bench`` (L2 flushed,
+eager launches, so host launch gaps count) and the same ops replayed as one CUDA graph
+(``graph us``: GPU time only; the tiled ops are capturable for a fixed step):
+- ``untiled bt=1``: today's backend for a step of several requests (one token per program);
+- ``tiled``: ``index_topk_prefill_tiled`` / ``sparse_attention_prefill_tiled`` with the
+  default tile sizes (the attention: multi-token tiles, then the one-token requests with
+  ``BLOCK_T = 1``, two launches);
+- sweeps: other tile sizes (``bt=``), the indexer's chunk, and for the attention ``1 launch``
+  (every tile, one-token ones included, through the multi-token program).
+The attention runs on two selections: the indexer's on random data (neighbouring tokens
+pick unrelated blocks: the worst case for tiles) and ``shared8`` (runs of 8 prefill tokens
+share one selection where visibility allows, as locality in real text would).
+Each tiled result is checked once against the untiled one (selection mismatch rate,
+attention relative error), and the host cost of planning the tiles is timed.
+
+Usage (GPU): ``python benchmarks/bench_prefill_tiles.py --json prefill_tiles.json``;
+``--smoke`` runs tiny shapes with host timing (the Triton interpreter works too) to check the
+script itself. About 30 s on an H200 (``--budget-s`` stops the sweeps early).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+@dataclass(frozen=True)
+class Dims:
+    num_qo_heads: int = 8
+    num_kv_heads: int = 1
+    head_dim: int = 128
+    index_dim: int = 128
+    block: int = 128
+    topk: int = 16
+
+
+SMOKE_DIMS = Dims(num_qo_heads=4, num_kv_heads=1, head_dim=32, index_dim=32, block=16, topk=4)
+
+
+@dataclass
+class Row:
+    op: str
+    variant: str
+    time_us: float
+    graph_us: float | None
+    launches: int
+    check: str = ""
+
+
+class Timer:
+    """Median GPU time in microseconds (do_bench), or one host-timed run for ``--smoke``."""
+
+    def __init__(self, smoke: bool, warmup_ms: int, rep_ms: int) -> None:
+        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        if self.smoke:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+
+    def graph(self, fn: Callable[[], None]) -> float | None:
+        if self.smoke:
+            return None
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return self(g.replay)
+
+
+class Step:
+    """The mixed step: a paged cache with random contents, metadata, q / iq, outputs."""
+
+    def __init__(self, d: Dims, decodes: int, decode_ctx: int, chunk: int, chunk_start: int, device: str) -> None:
+        from attention import metadata as md
+        from kvcache.paged import KVCacheConfig, PagedKVCache
+
+        bs = d.block
+        specs = [(decode_ctx, 1)] * (decodes // 2) + [(chunk_start + chunk, chunk)] + [(decode_ctx, 1)] * (
+            decodes - decodes // 2)
+        pages = [-(-n // bs) for n, _ in specs]
+        self.cache = c = PagedKVCache(KVCacheConfig(
+            num_layers=1, sparse_layers=(0,), num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+            index_dim=d.index_dim, page_size=bs, num_pages=sum(pages) + 1, max_seqs=len(specs),
+            max_pages_per_seq=max(pages), device=device))
+        for i, (n, _) in enumerate(specs):
+            c.add_sequence(i)
+            c.reserve(i, n)
+        for t in (c.k_cache, c.v_cache, c.index_k_cache):
+            t.normal_()
+        self.T = sum(n for _, n in specs)
+        self.builder = md.MetadataBuilder(c, max_tokens=self.T, max_seqs=len(specs))
+        if hasattr(md, "TokenChunk"):  # the metadata API after RequestChunk -> TokenChunk
+            for i, (n, q) in enumerate(specs):
+                c.set_written(i, n - q)
+            chunks = [md.TokenChunk(i, n - q, [0] * q) for i, (n, q) in enumerate(specs)]
+            self.builder.check(chunks)
+            self.meta = self.builder.build(chunks)
+        else:
+            self.meta = self.builder.build([md.RequestChunk(i, n - q, q) for i, (n, q) in enumerate(specs)])
+        self.chunk_rows = (decodes // 2, decodes // 2 + chunk)
+        self.q = torch.randn(self.T, d.num_qo_heads, d.head_dim, device=device, dtype=torch.bfloat16)
+        self.iq = torch.randn(self.T, d.num_kv_heads, d.index_dim, device=device, dtype=torch.bfloat16)
+        self.ik, self.k, self.v = c.index_k_cache[0], c.k_cache[0], c.v_cache[0]
+        self.sel = torch.full((d.num_kv_heads, self.T, d.topk), -1, dtype=torch.int32, device=device)
+        self.out = torch.empty_like(self.q)
+        self.scale = d.head_dim**-0.5
+
+    def shared_selection(self, run: int, bs: int) -> torch.Tensor:
+        """The chunk's tokens in runs of ``run`` take the run's first token's selection where
+        that token's local block is theirs too (the local block must stay last and visible)."""
+        pos = self.meta.positions
+        t = torch.arange(self.T, device=pos.device)
+        lo, hi = self.chunk_rows
+        t0 = torch.where((t >= lo) & (t < hi), lo + (t - lo) // run * run, t)
+        same = (pos[t0] // bs) == (pos // bs)
+        return torch.where(same[None, :, None], self.sel[:, t0], self.sel)
+
+
+def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict]:
+    from attention.kernels import indexer, sparse
+    from attention.kernels.tiles import TilePlanner
+
+    timer = Timer(a.smoke, a.warmup_ms, a.rep_ms)
+    st = Step(dims, a.decodes, a.decode_ctx, a.chunk, a.chunk_start, device)
+    meta, d, t_start = st.meta, dims, time.time()
+    rows: list[Row] = []
+    planners: dict[int, TilePlanner] = {}
+
+    def tiles(bt: int):
+        planner = planners.setdefault(bt, TilePlanner(st.builder.max_tokens, device))
+        return planner.plan(meta.qo_indptr_host, bt)
+
+    def over_budget() -> bool:
+        return time.time() - t_start > a.budget_s
+
+    # host cost of the per-step plan (prefill_tiles + staging + async copy)
+    tiles(16)
+    h0 = time.perf_counter()
+    for _ in range(50):
+        tiles(16)
+    plan_us = (time.perf_counter() - h0) / 50 * 1e6
+
+    # ---- indexer
+    ref_sel = torch.empty_like(st.sel)
+    indexer.index_topk_prefill(st.iq, st.ik, meta, d.topk, ref_sel, block_t=1)
+
+    def idx_row(variant: str, fn: Callable[[], None], launches: int) -> None:
+        st.sel.fill_(-7)
+        fn()
+        diff = (st.sel.sort(-1).values != ref_sel.sort(-1).values).any(-1).float().mean().item()
+        rows.append(Row("index_topk", variant, timer(fn), timer.graph(fn), launches, f"rows differing {diff:.1e}"))
+
+    idx_row("untiled bt=1", lambda: indexer.index_topk_prefill(st.iq, st.ik, meta, d.topk, st.sel, block_t=1), 2)
+    bt_idx = indexer.default_block_t(d.num_kv_heads)
+    t_idx = tiles(bt_idx)
+    idx_row(f"tiled (bt={bt_idx}, auto chunk)",
+            lambda: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx), 2)
+    for bt, chunk in ((bt_idx, 64), (8, None), (32, None), (64, None)):
+        if over_budget():
+            break
+        tt = tiles(bt)
+        idx_row(f"tiled bt={bt} chunk={chunk or 'auto'}",
+                lambda tt=tt, chunk=chunk: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, tt,
+                                                                            chunk), 2)
+    indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx)
+    shared = st.shared_selection(8, d.block)
+
+    # ---- sparse attention
+    bt_att = sparse.default_block_t(d.num_qo_heads // d.num_kv_heads)
+    for sel, tag in ((st.sel, "indexer"), (shared, "shared8")):
+        ref_out = torch.empty_like(st.out)
+        sparse.sparse_attention_prefill(st.q, st.k, st.v, sel, meta, ref_out, st.scale, block_t=1)
+
+        def att_row(variant: str, fn: Callable[[], None], launches: int, sel=sel, tag=tag, ref_out=ref_out) -> None:
+            st.out.fill_(float("nan"))
+            fn()
+            err = ((st.out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+            rows.append(Row(f"sparse_attn {tag}", variant, timer(fn), timer.graph(fn), launches, f"relerr {err:.1e}"))
+
+        att_row("untiled bt=1", lambda sel=sel: sparse.sparse_attention_prefill(st.q, st.k, st.v, sel, meta, st.out,
+                                                                                st.scale, block_t=1), 1)
+        for bt in (bt_att, bt_att // 2, bt_att * 2):
+            if bt < 1 or (bt != bt_att and over_budget()):
+                continue
+            tt = tiles(bt)
+            label = f"tiled bt={bt}" + (" (default)" if bt == bt_att else "")
+            att_row(label, lambda tt=tt, sel=sel: sparse.sparse_attention_prefill_tiled(
+                st.q, st.k, st.v, sel, meta, st.out, st.scale, tt), 2)
+            if bt == bt_att:
+                att_row(f"tiled bt={bt} 1 launch", lambda tt=tt, sel=sel, bt=bt: sparse.sparse_attention_prefill(
+                    st.q, st.k, st.v, sel, meta, st.out, st.scale, block_t=bt, tiles=tt.rows), 1)
+    info = {"tokens": st.T, "decodes": a.decodes, "decode_ctx": a.decode_ctx, "chunk": a.chunk, "chunk_start": a.chunk_start,
+                "plan_host_us": plan_us, "tiles_indexer": len(t_idx.rows), "tiles_attention": len(tiles(bt_att).rows),
+                "block_t_indexer": bt_idx, "block_t_attention": bt_att}
+    return rows, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default="bench_prefill_tiles.json", help="JSON output path")
+    ap.add_argument("--decodes", type=int, default=30)
+    ap.add_argument("--decode-ctx", type=int, default=3000)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--chunk-start", type=int, default=2000)
+    ap.add_argument("--warmup-ms", type=int, default=10)
+    ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--budget-s", type=float, default=25.0, help="skip the remaining sweeps after this long")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, host timing: checks the script runs")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        dims, device = SMOKE_DIMS, ("cuda" if torch.cuda.is_available() else "cpu")
+        a.decodes, a.decode_ctx, a.chunk, a.chunk_start = 3, 70, 20, 30
+    else:
+        if not torch.cuda.is_available():
+            print("bench_prefill_tiles: needs a CUDA GPU (use --smoke to check the script on CPU)", file=sys.stderr)
+            return 2
+        dims, device = Dims(), "cuda"
+    torch.manual_seed(0)
+    t0 = time.time()
+    rows, info = run(a, dims, device)
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"
+    header = (f"{gpu} | torch {torch.__version__} | triton {triton.__version__} | dims {asdict(dims)} | "
+              f"{info['decodes']} decodes at ctx {info['decode_ctx']} + a {info['chunk']}-token chunk at "
+              f"{info['chunk_start']} ({info['tokens']} tokens) | plan {info['plan_host_us']:.0f} us host | "
+              f"{time.time() - t0:.0f} s")
+    print(header)
+    print(f"{'op':22s} {'variant':34s} {'us':>8s} {'graph us':>9s} {'launch':>6s} {'x untiled':>9s}  check")
+    base: dict[str, float] = {}
+    for r in rows:
+        base.setdefault(r.op, r.time_us)
+        g = f"{r.graph_us:9.1f}" if r.graph_us is not None else f"{'-':>9s}"
+        print(f"{r.op:22s} {r.variant:34s} {r.time_us:8.1f} {g} {r.launches:6d} {base[r.op] / r.time_us:9.2f}  "
+              f"{r.check}")
+    with open(a.json, "w") as f:
+        json.dump({"header": header, "info": info, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

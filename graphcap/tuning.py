@@ -1,0 +1,103 @@
+"""Validated kernel choices: a fast wrong kernel is never selected.
+
+A tunable op offers several candidates (Triton configurations, split-K choices) for one
+shape. ``KernelTuner.choose`` runs every candidate on a probe input and compares it with the
+op's reference (plain torch, fp32 maths); a candidate that raises, writes a non-finite value
+or differs beyond the tolerance is rejected and reported, and the fastest of the rest is
+chosen. Choices are made once per (op, shape) on the host, before capture (warm-up), never
+inside a graph, and kept for the report (``graphcap.report.choices_table``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Mapping
+
+import torch
+
+from .validation import relative_error
+
+
+@dataclass
+class KernelChoice:
+    """One (op, shape) decision: which candidate runs, how fast each passing one was (us,
+    ``None`` when not timed), and why each rejected one failed."""
+
+    op: str
+    key: Hashable
+    chosen: str
+    timings_us: dict[str, float | None] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+class KernelTuner:
+    """Chooses, validates and remembers kernel candidates per (op, shape key).
+
+    Args:
+        time_candidates: time the passing candidates (CUDA events) and pick the fastest; when
+            False (CPU, the interpreter) the first passing candidate is chosen.
+        iters: timed runs per candidate (median).
+    """
+
+    def __init__(self, time_candidates: bool, iters: int = 10) -> None:
+        self.time_candidates = time_candidates
+        self.iters = iters
+        self.choices: dict[tuple[str, Hashable], KernelChoice] = {}
+
+    def get(self, op: str, key: Hashable) -> str | None:
+        """The chosen candidate's name, or ``None`` if no choice was made yet."""
+        choice = self.choices.get((op, key))
+        return None if choice is None else choice.chosen
+
+    def choose(self, op: str, key: Hashable, candidates: Mapping[str, Callable[[], torch.Tensor]],
+               reference: Callable[[], torch.Tensor], tol: float) -> str:
+        """Validate every candidate against ``reference`` on its probe input, pick the fastest
+        passing one (in ``candidates`` order when not timing), remember and return its name.
+
+        Each callable runs the op on the same probe input and returns the output tensor.
+
+        Raises:
+            RuntimeError: no candidate matches the reference (the op cannot run correctly).
+        """
+        if (op, key) in self.choices:
+            return self.choices[(op, key)].chosen
+        want = reference().detach().clone()
+        passing: list[str] = []
+        choice = KernelChoice(op, key, chosen="")
+        for name, run in candidates.items():
+            try:
+                got = run()
+            except Exception as e:  # a candidate that cannot run is rejected, not fatal
+                choice.rejected[name] = f"raised {type(e).__name__}: {str(e)[:200]}"
+                continue
+            if got.shape != want.shape:
+                choice.rejected[name] = f"output shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+            elif not torch.isfinite(got).all():
+                choice.rejected[name] = "non-finite output"
+            else:
+                err = relative_error(got.float(), want.float())
+                if err > tol:
+                    choice.rejected[name] = f"relative error {err:.3g} > {tol:g} against the reference"
+                else:
+                    passing.append(name)
+        if not passing:
+            raise RuntimeError(f"no candidate of {op} for {key!r} matches the reference: {choice.rejected}")
+        for name in passing:
+            choice.timings_us[name] = self._time(candidates[name]) if self.time_candidates and len(passing) > 1 else None
+        timed = {n: t for n, t in choice.timings_us.items() if t is not None}
+        choice.chosen = min(timed, key=timed.__getitem__) if timed else passing[0]
+        self.choices[(op, key)] = choice
+        return choice.chosen
+
+    def _time(self, run: Callable[[], torch.Tensor]) -> float:
+        run()
+        times = []
+        for _ in range(self.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)

@@ -1,0 +1,533 @@
+"""Fused MoE of one rank: its routed experts plus the shared expert, SwiGLU-OAI, bf16 in/out.
+
+Maths (fp32 accumulation throughout)::
+
+    out[t] = sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) + FFN_shared(x[t])
+    FFN(x) = down(act(gate x, up x))
+    act(g, u) = min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + 1)
+
+``act`` is computed in fp32 from the fp32 accumulators and rounded to ``x.dtype`` before the
+down projection; the weighted combine is summed in fp32 and stored in ``out.dtype``. Pairs
+whose id is ``-1`` (routed to another rank, or a padded row) are dropped; every row gets the
+shared expert.
+
+"Sorted pairs" design, four launches, so each expert's weights are read once per M-tile of the
+pairs routed to it (once per step at decode) and never for an expert with no pairs:
+
+1. ``_moe_align_kernel`` (one program): per-expert pair counts and offsets, the pair ids in
+   expert order (routed pair ``p = t*K + k``, shared pair ``p = T*K + t``; the shared expert is
+   expert ``E`` and holds every row), and each pair's sorted position (``-1`` when dropped).
+   Ranks are running sums in pair order, so the order is stable and the same every run.
+2. ``_moe_gate_up_kernel``, grid ``(E + 1, max(cdiv(I, BLOCK_N), cdiv(Is, BLOCK_N_SHARED)),
+   m_split)``: gathers the x rows of an M-tile of the expert's pairs, two ``tl.dot`` s over H
+   (gate and up rows of the same N-tile), the SwiGLU-OAI epilogue, ``act`` rows stored at the
+   pairs' sorted positions in ``act [T*K + T, max(I, Is)]``. Programs of an expert with no pairs
+   return at once; the spare N-tile programs of the shared expert (Is < I) take some of its
+   M-tiles instead of idling.
+3. ``_moe_down_kernel``, grid ``(E + 1, cdiv(H, BLOCK_H), m_split)``:
+   ``y[pos] = w_pair * (act[pos] @ w2[e]^T)`` in fp32 (shared pairs weigh 1).
+4. ``_moe_combine_kernel``, grid ``(T, cdiv(H, BLOCK))``: ``out[t] = sum_k y[pos(t, k)] +
+   y[pos(shared, t)]`` in that fixed order.
+
+No atomics anywhere, and every output element is produced by exactly one program with a fixed
+reduction order, so a CUDA-graph replay is bit-identical to an eager run of the same shapes.
+Graph-safe: grids depend on T and the weight shapes only; per-expert work (how many M-tiles,
+whether any) is read from the device inside the kernels, and the scratch is allocated from
+shapes (allocation under capture uses the graph's pool).
+
+``fused_moe_torch`` is the same function in plain torch: the reference the kernels are tested
+against, and the CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from attention.kernels.triton_utils import check_device, interpreting, next_pow2
+
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile shapes and launch options of the fused MoE kernels.
+
+    Attributes:
+        block_m: pairs per M-tile (both GEMM kernels; the sorted pairs are packed, not padded
+            per expert, so any power of two >= 16 works).
+        gu_block_n: gate/up N-tile width of the routed experts (columns of I; the same for
+            gate and up).
+        gu_block_n_shared: the same for the shared expert. At decode it is often the only
+            expert with pairs on this rank (at rank-of-8 a token routes none of its 4 experts
+            here 58% of the time), so its 2*Is rows want narrow tiles to spread over programs.
+        gu_block_k: gate/up step over H.
+        gu_num_warps, gu_num_stages: gate/up launch options.
+        down_block_h: down N-tile width (columns of H).
+        down_block_k: down step over I (and Is).
+        down_num_warps, down_num_stages: down launch options.
+        m_split: programs per (expert, N-tile) splitting that expert's M-tiles (prefill: a hot
+            expert or the shared expert's T rows would otherwise run serially in one program).
+        combine_block: columns of H per combine program.
+    """
+
+    block_m: int = 16
+    gu_block_n: int = 32
+    gu_block_n_shared: int = 16
+    gu_block_k: int = 256
+    gu_num_warps: int = 4
+    gu_num_stages: int = 4
+    down_block_h: int = 64
+    down_block_k: int = 128
+    down_num_warps: int = 4
+    down_num_stages: int = 4
+    m_split: int = 1
+    combine_block: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoEConfig.{f.name} must be a positive int, got {v!r}")
+        for name in ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h", "down_block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoEConfig.{name} must be a power of two >= 16 (a tl.dot dimension), got {v}")
+        for name in ("gu_num_warps", "down_num_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"MoEConfig.{name} must be one of 1, 2, 4, 8, 16, got {getattr(self, name)}")
+        if self.combine_block & (self.combine_block - 1):
+            raise ValueError(f"MoEConfig.combine_block must be a power of two, got {self.combine_block}")
+
+
+# Decode (T <= 64: at most a few pairs per expert): M-tiles of 16 and narrow N tiles, so that a
+# single active expert still spreads over ~100 programs (I=3072 / 32 gate/up tiles; H=6144 / 64
+# down tiles) and each program keeps several 40 KB / 20 KB weight stages in flight; the shared
+# expert's 384 gate/up rows go in tiles of 16 (24 programs).
+_DECODE = MoEConfig()
+# Prefill (hundreds of pairs per step): 64-row tiles (one wgmma warpgroup), wider N tiles, the
+# M-tiles of the shared expert's T rows (and of a hot expert) split over programs.
+_PREFILL = MoEConfig(block_m=64, gu_block_n=64, gu_block_n_shared=64, gu_block_k=64, gu_num_warps=4,
+                     gu_num_stages=4, down_block_h=128, down_block_k=64, down_num_warps=4, down_num_stages=4,
+                     m_split=2)
+_DECODE_MAX_TOKENS = 64
+
+
+def default_moe_config(num_tokens: int) -> MoEConfig:
+    """The config for a step of ``num_tokens`` rows (a function of the token count only)."""
+    return _DECODE if num_tokens <= _DECODE_MAX_TOKENS else _PREFILL
+
+
+def moe_config_candidates(num_tokens: int) -> list[MoEConfig]:
+    """A few valid configs for ``num_tokens`` rows, the default first (for warm-up checks and
+    timing on the GPU). All of them fit Hopper's shared memory at the M3 shapes."""
+    if num_tokens <= _DECODE_MAX_TOKENS:
+        return [
+            _DECODE,
+            # ~2x the programs, half the bytes each
+            MoEConfig(gu_block_n=16, gu_block_n_shared=16, gu_block_k=256, down_block_h=32, down_block_k=128),
+            # smaller stages, deeper pipeline
+            MoEConfig(gu_block_n=32, gu_block_n_shared=32, gu_block_k=128, gu_num_stages=6, down_block_h=64,
+                      down_block_k=64, down_num_stages=6),
+            # fewer, fatter programs
+            MoEConfig(gu_block_n=64, gu_block_n_shared=16, gu_block_k=128, gu_num_stages=4, down_block_h=128,
+                      down_block_k=64, down_num_stages=4),
+        ]
+    return [
+        _PREFILL,
+        MoEConfig(block_m=64, gu_block_n=128, gu_block_n_shared=64, gu_block_k=64, gu_num_warps=8,
+                  gu_num_stages=3, down_block_h=128, down_block_k=64, down_num_warps=8, down_num_stages=3,
+                  m_split=2),
+        MoEConfig(block_m=64, gu_block_n=64, gu_block_n_shared=32, gu_block_k=128, gu_num_warps=4,
+                  gu_num_stages=3, down_block_h=64, down_block_k=128, down_num_warps=4, down_num_stages=3,
+                  m_split=4),
+        MoEConfig(block_m=32, gu_block_n=64, gu_block_n_shared=32, gu_block_k=128, gu_num_warps=4,
+                  gu_num_stages=4, down_block_h=128, down_block_k=64, down_num_warps=4, down_num_stages=4,
+                  m_split=2),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_align_kernel(ids_ptr, off_ptr, sorted_ptr, pos_ptr, T,
+                      K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Counts, offsets ``off[E + 2]``, sorted pair ids and pair positions, in one program.
+
+    Two passes over the ``T*K`` routed pairs in chunks of a ``[CHUNK, E_PAD]`` one-hot: the
+    first counts per expert, the second ranks each pair within its expert by a running sum
+    (cumsum within the chunk plus the counts of the earlier chunks), so no atomics are needed.
+    """
+    P = T * K
+    e_idx = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, P, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
+        counts += tl.sum(hit.to(tl.int32), axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    n_routed = tl.sum(counts, axis=0)
+    tl.store(off_ptr + e_idx, starts, mask=e_idx < E)
+    tl.store(off_ptr + E, n_routed)
+    tl.store(off_ptr + E + 1, n_routed + T)
+    base = starts
+    for c0 in range(0, P, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
+        hit32 = hit.to(tl.int32)
+        rank = tl.cumsum(hit32, axis=0)  # inclusive, per expert column
+        pos = tl.sum(tl.where(hit, base[None, :] + rank - 1, 0), axis=1)
+        valid = tl.sum(hit32, axis=1) > 0
+        pos = tl.where(valid, pos, -1)
+        tl.store(pos_ptr + p, pos, mask=p < P)
+        tl.store(sorted_ptr + pos, p, mask=valid)  # a permutation of the valid pairs: no conflicts
+        base += tl.sum(hit32, axis=0)
+    # The shared expert: row t is pair P + t at position n_routed + t.
+    for t0 in range(0, T, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
+        tl.store(pos_ptr + P + t, n_routed + t, mask=t < T)
+        tl.store(sorted_ptr + n_routed + t, P + t, mask=t < T)
+
+
+@triton.jit
+def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sorted_ptr, act_ptr, stride_act,
+                   start, end, N, TK, H, alpha, limit,
+                   K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """One expert's share of this program: N-tile ``j % n_tiles`` of its ``N`` gate/up rows,
+    over the M-tiles of its pairs ``[start, end)`` that fall to this program.
+
+    Axis 1 of the grid has as many programs as the expert with the most N-tiles needs; an
+    expert with fewer (the shared expert: Is = 384 at TP8) hands its spare programs M-tiles
+    (``groups`` > 1) instead of idling, and axis 2 splits the M-tiles further. With no pairs
+    the loop runs zero times: no weight is read.
+    """
+    j = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    groups = tl.num_programs(1) // n_tiles
+    grp = j // n_tiles
+    n_groups = groups * tl.num_programs(2)
+    m_lo = start + (grp + groups * tl.program_id(2)) * BLOCK_M
+    m_lo = tl.where(grp < groups, m_lo, end)  # spare programs past the last group: nothing to do
+    offs_n = (j % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_ld = offs_n % N  # a partial last tile re-reads valid rows (discarded) instead of masking
+    offs_k = tl.arange(0, BLOCK_K)
+    wg_base = wg_ptr + n_ld[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    wu_base = wu_ptr + n_ld[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    for m0 in range(m_lo, end, n_groups * BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_ok = rows < end
+        pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
+        tok = tl.where(pair < TK, pair // K, pair - TK)
+        x_base = x_ptr + tok.to(tl.int64)[:, None] * stride_x_t + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                xa = tl.load(x_base + k0, mask=r_ok[:, None], other=0.0)
+                wg = tl.load(wg_base + k0)
+                wu = tl.load(wu_base + k0)
+            else:
+                k_ok = offs_k + k0 < H
+                xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_base + k0, mask=k_ok[:, None], other=0.0)
+                wu = tl.load(wu_base + k0, mask=k_ok[:, None], other=0.0)
+            if DOT_F32:
+                xa = xa.to(tl.float32)
+                acc_g = tl.dot(xa, wg.to(tl.float32), acc_g, input_precision="ieee")
+                acc_u = tl.dot(xa, wu.to(tl.float32), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(xa, wg, acc_g)
+                acc_u = tl.dot(xa, wu, acc_u)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        a = g * tl.sigmoid(alpha * g) * (u + 1.0)
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_n[None, :],
+                 a.to(act_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_gate_up_kernel(
+    x_ptr, stride_x_t,
+    w13_ptr, stride_w13_e, stride_w13_n, stride_w13_up,
+    sgu_ptr, stride_sgu_n, stride_sgu_up,
+    sorted_ptr, off_ptr, act_ptr, stride_act,
+    T, H, I, IS, alpha, limit,
+    K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_SHARED: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for the pairs of
+    expert ``program_id(0)`` (``E``: the shared expert, whose N-tiles may be narrower so that
+    its 2*Is rows spread over more programs when it is the only expert with work)."""
+    e = tl.program_id(0)
+    start = tl.load(off_ptr + e)
+    end = tl.load(off_ptr + e + 1)
+    if e < E:
+        wg_ptr = w13_ptr + e.to(tl.int64) * stride_w13_e
+        _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wg_ptr + stride_w13_up, stride_w13_n, sorted_ptr, act_ptr,
+                       stride_act, start, end, I, T * K, H, alpha, limit,
+                       K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32)
+    else:
+        _gate_up_tiles(x_ptr, stride_x_t, sgu_ptr, sgu_ptr + stride_sgu_up, stride_sgu_n, sorted_ptr, act_ptr,
+                       stride_act, start, end, IS, T * K, H, alpha, limit,
+                       K, BLOCK_M, BLOCK_N_SHARED, BLOCK_K, EVEN_K, DOT_F32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_down_kernel(
+    act_ptr, stride_act,
+    w2_ptr, stride_w2_e, stride_w2_h,
+    sd_ptr, stride_sd_h,
+    topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y,
+    T, H, I, IS,
+    K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32, one H-tile of one expert,
+    over the M-tiles of its pairs this program owns (axis 2 splits them)."""
+    e = tl.program_id(0)
+    hb = tl.program_id(1)
+    s = tl.program_id(2)
+    start = tl.load(off_ptr + e)
+    end = tl.load(off_ptr + e + 1)
+    TK = T * K
+    if e < E:
+        KD = I
+        w_ptr = w2_ptr + e.to(tl.int64) * stride_w2_e
+        stride_wh = stride_w2_h
+    else:
+        KD = IS
+        w_ptr = sd_ptr
+        stride_wh = stride_sd_h
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    h_ld = offs_h % H
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + h_ld[None, :].to(tl.int64) * stride_wh + offs_k[:, None]  # [BLOCK_K, BLOCK_H]
+    for m0 in range(start + s * BLOCK_M, end, tl.num_programs(2) * BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_ok = rows < end
+        pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
+        is_routed = pair < TK
+        wt = tl.load(topk_w_ptr + pair, mask=r_ok & is_routed, other=0.0)
+        wt = tl.where(is_routed, wt, 1.0)
+        a_base = act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        for k0 in range(0, KD, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_base + k0, mask=r_ok[:, None], other=0.0)
+                w = tl.load(w_base + k0)
+            else:
+                k_ok = offs_k + k0 < KD
+                a = tl.load(a_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
+            if DOT_F32:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        acc = acc * wt[:, None]
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_h[None, :], acc,
+                 mask=r_ok[:, None] & h_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_combine_kernel(y_ptr, stride_y, pos_ptr, out_ptr, stride_o_t, T, H,
+                        K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_k y[pos(t, k)] (valid pairs, k ascending) + y[pos(shared, t)]."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h_ok = h < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(K):
+        pos = tl.load(pos_ptr + t * K + k)
+        acc += tl.load(y_ptr + pos.to(tl.int64) * stride_y + h, mask=h_ok & (pos >= 0), other=0.0)
+    pos_s = tl.load(pos_ptr + T * K + t)
+    acc += tl.load(y_ptr + pos_s.to(tl.int64) * stride_y + h, mask=h_ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o_t + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+
+
+@dataclass(frozen=True)
+class _Dims:
+    T: int
+    H: int
+    K: int
+    E: int
+    I: int
+    Is: int
+
+
+def _check_args(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
+                shared_down: Tensor, out: Tensor) -> _Dims:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, H] with contiguous rows, got {tuple(x.shape)} strides {x.stride()}")
+    T, H = x.shape
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous int32 [T={T}, K], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    K = topk_ids.shape[1]
+    if K < 1:
+        raise ValueError("topk_ids needs K >= 1 columns")
+    if topk_w.shape != topk_ids.shape or topk_w.dtype != torch.float32 or not topk_w.is_contiguous():
+        raise ValueError(f"topk_w must be contiguous fp32 {tuple(topk_ids.shape)}, got {topk_w.dtype} "
+                         f"{tuple(topk_w.shape)}")
+    if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2 or w13.shape[0] < 1 or w13.stride(2) != 1:
+        raise ValueError(f"w13 must be [E >= 1, 2I, H={H}] with contiguous rows, got {tuple(w13.shape)}")
+    E, I = w13.shape[0], w13.shape[1] // 2
+    if w2.dim() != 3 or tuple(w2.shape) != (E, H, I) or w2.stride(2) != 1:
+        raise ValueError(f"w2 must be [E={E}, H={H}, I={I}] with contiguous rows, got {tuple(w2.shape)}")
+    if shared_gate_up.dim() != 2 or shared_gate_up.shape[1] != H or shared_gate_up.shape[0] % 2 \
+            or shared_gate_up.shape[0] < 2 or shared_gate_up.stride(1) != 1:
+        raise ValueError(f"shared_gate_up must be [2*Is, H={H}] with contiguous rows, "
+                         f"got {tuple(shared_gate_up.shape)}")
+    Is = shared_gate_up.shape[0] // 2
+    if shared_down.dim() != 2 or tuple(shared_down.shape) != (H, Is) or shared_down.stride(1) != 1:
+        raise ValueError(f"shared_down must be [H={H}, Is={Is}] with contiguous rows, got {tuple(shared_down.shape)}")
+    for name, w in (("w13", w13), ("w2", w2), ("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    if out.dim() != 2 or tuple(out.shape) != (T, H) or out.stride(1) != 1:
+        raise ValueError(f"out must be [T={T}, H={H}] with contiguous rows, got {tuple(out.shape)}")
+    devs = {t.device for t in (x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)}
+    if len(devs) != 1:
+        raise ValueError(f"all fused_moe tensors must be on one device, got {sorted(map(str, devs))}")
+    return _Dims(T, H, K, E, I, Is)
+
+
+# Triton keeps up to num_stages operand buffers plus epilogue scratch in shared memory (227 KiB
+# per block on H200); every bf16 candidate stays within this budget as given.
+_SMEM_BUDGET = 160 * 1024
+
+
+def _fit_stages(num_stages: int, stage_bytes: int) -> int:
+    """Pipeline depth that keeps ``num_stages`` operand stages within shared memory (the bf16
+    configs fit as given; fp32 inputs double the stage size and would not launch)."""
+    return max(1, min(num_stages, _SMEM_BUDGET // stage_bytes))
+
+
+def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
+              shared_down: Tensor, alpha: float, limit: float, out: Tensor,
+              config: MoEConfig | None = None) -> Tensor:
+    """Routed experts of this rank + the shared expert, four launches, graph-capturable.
+
+    Args:
+        x: ``[T, H]`` (bf16 on GPU; fp32 allowed, then the dots run in fp32 "ieee").
+        topk_ids: int32 ``[T, K]`` LOCAL expert ids in ``[0, E)``; any other value (``-1``:
+            routed to another rank, or a padded row) drops the pair.
+        topk_w: fp32 ``[T, K]`` routing weights (ignored for dropped pairs).
+        w13: ``[E, 2I, H]``, rows ``[0, I)`` gate, ``[I, 2I)`` up.  w2: ``[E, H, I]``.
+        shared_gate_up: ``[2*Is, H]`` (gate rows first).  shared_down: ``[H, Is]``.
+        alpha, limit: SwiGLU-OAI constants (1.702, 7.0 for M3).
+        out: ``[T, H]``, written in full (every row gets at least the shared expert).
+        config: tiles; default :func:`default_moe_config` of T.
+    Returns:
+        ``out``.
+    """
+    d = _check_args(x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)
+    check_device("fused_moe", x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)
+    if d.T == 0:
+        return out
+    cfg = config or default_moe_config(d.T)
+    T, H, K, E, I, Is = d.T, d.H, d.K, d.E, d.I, d.Is
+    P = T * K
+    dev = x.device
+    dot_f32 = interpreting() or x.dtype == torch.float32  # the interpreter's bf16 dot is wrong
+    off = torch.empty(E + 2, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(P + T, dtype=torch.int32, device=dev)
+    pair_pos = torch.empty(P + T, dtype=torch.int32, device=dev)
+    act = torch.empty(P + T, max(I, Is), dtype=x.dtype, device=dev)
+    y = torch.empty(P + T, H, dtype=torch.float32, device=dev)
+
+    e_pad = max(2, next_pow2(E))
+    # [chunk, E_PAD] one-hot tiles of <= 8192 elements: 16 warps keep them spill-free.
+    chunk = max(16, min(1024, 8192 // e_pad, next_pow2(max(P, T))))
+    _moe_align_kernel[(1,)](topk_ids, off, sorted_pairs, pair_pos, T, K=K, E=E, E_PAD=e_pad, CHUNK=chunk,
+                            num_warps=4 if chunk * e_pad <= 2048 else 16)
+
+    bn, bns, bk = cfg.gu_block_n, cfg.gu_block_n_shared, cfg.gu_block_k
+    esz = x.element_size()
+    _moe_gate_up_kernel[(E + 1, max(triton.cdiv(I, bn), triton.cdiv(Is, bns)), cfg.m_split)](
+        x, x.stride(0),
+        w13, w13.stride(0), w13.stride(1), I * w13.stride(1),
+        shared_gate_up, shared_gate_up.stride(0), Is * shared_gate_up.stride(0),
+        sorted_pairs, off, act, act.stride(0),
+        T, H, I, Is, float(alpha), float(limit),
+        K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_N_SHARED=bns, BLOCK_K=bk, EVEN_K=H % bk == 0,
+        DOT_F32=dot_f32,
+        num_warps=cfg.gu_num_warps,
+        num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m + 2 * max(bn, bns)) * bk * esz),
+    )
+    bh, bkd = cfg.down_block_h, cfg.down_block_k
+    _moe_down_kernel[(E + 1, triton.cdiv(H, bh), cfg.m_split)](
+        act, act.stride(0),
+        w2, w2.stride(0), w2.stride(1),
+        shared_down, shared_down.stride(0),
+        topk_w, sorted_pairs, off, y, y.stride(0),
+        T, H, I, Is,
+        K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_H=bh, BLOCK_K=bkd, EVEN_K=(I % bkd == 0 and Is % bkd == 0),
+        DOT_F32=dot_f32, num_warps=cfg.down_num_warps,
+        num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m + bh) * bkd * esz),
+    )
+    cb = min(cfg.combine_block, max(16, next_pow2(H)))
+    _moe_combine_kernel[(T, triton.cdiv(H, cb))](y, y.stride(0), pair_pos, out, out.stride(0), T, H, K=K, BLOCK=cb,
+                                                 num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# plain torch
+
+
+def _swiglu_oai_f32(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    g = gate.clamp(max=limit)
+    return g * torch.sigmoid(alpha * g) * (up.clamp(-limit, limit) + 1.0)
+
+
+def fused_moe_torch(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
+                    shared_down: Tensor, alpha: float, limit: float, out: Tensor,
+                    config: MoEConfig | None = None) -> Tensor:
+    """Plain-torch twin of :func:`fused_moe` (same arguments; ``config`` is ignored).
+
+    Same rounding points as the kernels: fp32 gate/up products, the activation rounded to
+    ``x.dtype``, fp32 down products, weights and sum, one cast into ``out``. Each local expert
+    runs on all T rows, weighted by a dense ``[T]`` column that is 0 where it is not routed:
+    no data-dependent shapes (capturable), at E / K times the work of the kernels.
+    """
+    d = _check_args(x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)
+    if d.T == 0:
+        return out
+    xf = x.float()
+    ids = topk_ids.long()
+
+    def ffn(gate_up: Tensor, down: Tensor, inter: int) -> Tensor:
+        h = F.linear(xf, gate_up.float())
+        a = _swiglu_oai_f32(h[:, :inter], h[:, inter:], alpha, limit).to(x.dtype)
+        return F.linear(a.float(), down.float())
+
+    acc = torch.zeros(d.T, d.H, dtype=torch.float32, device=x.device)
+    for e in range(d.E):
+        w_e = torch.where(ids == e, topk_w, 0.0).sum(dim=1)  # [T]; a pair routed twice adds up
+        acc += w_e[:, None] * ffn(w13[e], w2[e], d.I)
+    acc += ffn(shared_gate_up, shared_down, d.Is)
+    out.copy_(acc)
+    return out
+
+
+__all__ = ["MoEConfig", "default_moe_config", "fused_moe", "fused_moe_torch", "moe_config_candidates"]

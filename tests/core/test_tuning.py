@@ -1,0 +1,45 @@
+"""Validated kernel choices: a candidate that is wrong, non-finite or raises is never chosen."""
+
+import pytest
+import torch
+
+from graphcap.tuning import KernelTuner
+
+
+def test_bad_candidates_are_rejected_and_reported():
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    ref = lambda: x.square()  # noqa: E731
+    cands = {
+        "corrupt": lambda: x.square() * 1.01,  # fast and wrong: 1% off
+        "nan": lambda: x.square().index_fill(0, torch.tensor([3]), float("nan")),
+        "raises": lambda: (_ for _ in ()).throw(RuntimeError("out of shared memory")),
+        "shape": lambda: x.square()[1:],
+        "good": lambda: x * x,
+    }
+    tuner = KernelTuner(time_candidates=False)
+    assert tuner.choose("square", 64, cands, ref, tol=1e-5) == "good"
+    choice = tuner.choices[("square", 64)]
+    assert set(choice.rejected) == {"corrupt", "nan", "raises", "shape"}
+    assert "relative error" in choice.rejected["corrupt"] and "non-finite" in choice.rejected["nan"]
+    assert "out of shared memory" in choice.rejected["raises"] and "shape" in choice.rejected["shape"]
+    calls = []
+    assert tuner.choose("square", 64, {"other": lambda: calls.append(1) or x}, ref, 1e-5) == "good"  # remembered
+    assert not calls and tuner.get("square", 64) == "good" and tuner.get("square", 65) is None
+
+
+def test_no_valid_candidate_raises():
+    x = torch.ones(4)
+    with pytest.raises(RuntimeError, match="no candidate of op for 4 matches the reference"):
+        KernelTuner(time_candidates=False).choose("op", 4, {"bad": lambda: x + 1}, lambda: x, 1e-3)
+
+
+@pytest.mark.cuda
+def test_fastest_passing_candidate_wins_on_gpu():
+    x = torch.randn(4096, 4096, device="cuda")
+    slow = lambda: (x @ x.T + x @ x.T) / 2  # noqa: E731
+    fast = lambda: x @ x.T  # noqa: E731
+    wrong = lambda: x @ x.T * 0  # faster still, and wrong  # noqa: E731
+    tuner = KernelTuner(time_candidates=True, iters=3)
+    assert tuner.choose("mm", 4096, {"slow": slow, "wrong": wrong, "fast": fast}, fast, 1e-3) == "fast"
+    c = tuner.choices[("mm", 4096)]
+    assert "wrong" in c.rejected and c.timings_us["fast"] < c.timings_us["slow"]

@@ -1,0 +1,316 @@
+"""Fused MoE (routed experts of one rank + shared expert, SwiGLU-OAI): the Triton kernels and
+their plain-torch twin against an fp64 computation written from the formula, the twin against
+``BlockSparseMoE.routed_loop`` + the shared expert, every config candidate, and a compile
+check for Hopper at the real rank-of-8 shapes.
+
+On CPU the kernels run in the Triton interpreter (tiny shapes). Its fp32 -> bf16 casts
+truncate instead of rounding to nearest, so interpreted bf16 results sit ~5e-3 (relative)
+from the fp64 values; the bf16 tolerance allows for that. On a GPU: real shapes and a
+capture -> new routing -> replay test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.paged import DEV
+from helpers.triton_compile import run_compile_reports
+
+from models.minimax_m3.kernels import moe
+from models.minimax_m3.layers import BlockSparseMoE, route
+
+ALPHA, LIMIT = 1.702, 7.0
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+def rel_err(out, ref):
+    assert not out.isnan().any(), "an element of out was not written"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+class Problem:
+    """Random x, weights and routing of one rank: E local experts out of 2E (the other half
+    is remote: id -1), expert 0 hot, the last two local experts never chosen (zero pairs),
+    every 5th row padded (all -1, weight 0), K distinct experts per token.
+
+    Weights are scaled so gate/up products reach past ``limit`` (the clamps are exercised).
+    """
+
+    def __init__(self, T, H, I, Is, E, K, seed, dtype, dev=DEV, scale=4.0):
+        g = torch.Generator(device=dev).manual_seed(seed)
+
+        def r(*shape, std=1.0):
+            return (std * torch.randn(shape, generator=g, device=dev)).to(dtype)
+
+        self.T, self.H, self.I, self.Is, self.E, self.K, self.dtype = T, H, I, Is, E, K, dtype
+        self.x = r(T, H)
+        self.w13 = r(E, 2 * I, H, std=scale * H**-0.5)
+        self.w2 = r(E, H, I, std=I**-0.5)
+        self.sgu = r(2 * Is, H, std=scale * H**-0.5)
+        self.sd = r(H, Is, std=Is**-0.5)
+        pref = torch.ones(2 * E, device=dev)
+        pref[0] = 8.0  # hot expert
+        pref[max(1, E - 2) : E] = 0.0  # cold experts: no pairs
+        ids = torch.multinomial(pref.expand(T, -1).contiguous(), K, replacement=False, generator=g)
+        ids = torch.where(ids < E, ids, -1)
+        ids[torch.arange(T, device=dev) % 5 == 4] = -1  # padded rows
+        w = torch.rand(T, K, generator=g, device=dev) + 0.1
+        self.ids, self.w = ids.to(torch.int32), torch.where(ids >= 0, w, 0.0)
+
+    def args(self):
+        return self.x, self.ids, self.w, self.w13, self.w2, self.sgu, self.sd, ALPHA, LIMIT
+
+    def poisoned_out(self):
+        return torch.full((self.T, self.H), float("nan"), dtype=self.dtype, device=self.x.device)
+
+    def ref64(self):
+        """fp64, straight from the formula (no intermediate rounding), one pair at a time."""
+        x = self.x.double()
+
+        def ffn(gu, down, inter, row):
+            h = gu.double() @ row
+            gate, up = h[:inter].clamp(max=LIMIT), h[inter:].clamp(-LIMIT, LIMIT)
+            return down.double() @ (gate * torch.sigmoid(ALPHA * gate) * (up + 1.0))
+
+        out = torch.zeros(self.T, self.H, dtype=torch.float64, device=x.device)
+        ids, w = self.ids.tolist(), self.w.double()
+        for t in range(self.T):
+            for k in range(self.K):
+                e = ids[t][k]
+                if 0 <= e < self.E:
+                    out[t] += w[t, k] * ffn(self.w13[e], self.w2[e], self.I, x[t])
+            out[t] += ffn(self.sgu, self.sd, self.Is, x[t])
+        return out
+
+
+SMALL = {"H": 64, "I": 32, "Is": 48, "K": 2}  # Is > I: the shared expert has more N-tiles than a routed one
+CASES = [(1, 4), (3, 6), (17, 8)]  # (T, E)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,E", CASES)
+def test_kernels_match_fp64(T, E, dtype):
+    pb = Problem(T, E=E, seed=T * 10 + E, dtype=dtype, **SMALL)
+    out = pb.poisoned_out()
+    assert moe.fused_moe(*pb.args(), out) is out
+    assert rel_err(out, pb.ref64()) < TOL[dtype]
+    twin = moe.fused_moe_torch(*pb.args(), pb.poisoned_out())
+    assert rel_err(out, twin) < TOL[dtype]
+
+
+def test_kernels_pair_bookkeeping():
+    """The align kernel's offsets, sorted pairs and positions, and a row routed twice to one
+    expert (the kernels count both pairs, as routed_loop's scatter_add does)."""
+    pb = Problem(17, E=8, seed=3, dtype=torch.float32, **SMALL)
+    pb.ids[2] = 1
+    pb.w[2] = torch.tensor([0.5, 0.7], device=DEV)
+    T, K, E = pb.T, pb.K, pb.E
+    P = T * K
+    off = torch.empty(E + 2, dtype=torch.int32, device=DEV)
+    sp = torch.full((P + T,), -7, dtype=torch.int32, device=DEV)
+    pos = torch.full((P + T,), -7, dtype=torch.int32, device=DEV)
+    moe.check_device("test", pb.x)
+    moe._moe_align_kernel[(1,)](pb.ids, off, sp, pos, T, K=K, E=E, E_PAD=8, CHUNK=16)
+    flat = pb.ids.flatten().long().cpu()
+    counts = torch.bincount(flat[flat >= 0], minlength=E)
+    want_off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0), counts.sum()[None] + T])
+    assert off.long().tolist() == want_off.tolist()
+    n = int(counts.sum())
+    order = torch.argsort(torch.where(flat >= 0, flat, E), stable=True)[:n]  # stable: pair order within an expert
+    assert sp[:n].long().tolist() == order.tolist()
+    assert sp[n : n + T].long().tolist() == list(range(P, P + T))
+    want_pos = torch.full((P + T,), -1, dtype=torch.long)
+    want_pos[order] = torch.arange(n)
+    want_pos[P:] = torch.arange(n, n + T)
+    assert pos.long().tolist() == want_pos.tolist()
+    out = pb.poisoned_out()
+    moe.fused_moe(*pb.args(), out)
+    assert rel_err(out, pb.ref64()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,E", CASES)
+def test_torch_twin_matches_fp64(T, E, dtype):
+    pb = Problem(T, E=E, seed=T * 10 + E + 1, dtype=dtype, **SMALL)
+    out = moe.fused_moe_torch(*pb.args(), pb.poisoned_out())
+    assert rel_err(out, pb.ref64()) < {torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torch_twin_matches_block_sparse_moe(dtype):
+    """fused_moe_torch on a BlockSparseMoE's weights and local ids == its routed_loop + shared
+    expert (which rounds the gate/up and down products to x.dtype: a bf16-sized difference)."""
+    H, I, Is, G, E, K, T, offset = 64, 32, 48, 16, 4, 2, 19, 4
+    torch.manual_seed(5)
+    m = BlockSparseMoE(H, G, E, K, I, Is, scale=2.0, alpha=ALPHA, limit=LIMIT, dtype=dtype, device=DEV,
+                       expert_offset=offset)
+    with torch.no_grad():
+        sh = m.shared_experts
+        for p, std in ((m.gate.weight, 1.0), (m.experts.w13, 4 * H**-0.5), (m.experts.w2, I**-0.5),
+                       (sh.gate_up_proj.weight, 4 * H**-0.5), (sh.down_proj.weight, Is**-0.5)):
+            p.copy_(std * torch.randn(p.shape))
+        m.e_score_correction_bias.zero_()[offset : offset + E] = 0.4  # favour the local experts
+        x = torch.randn(T, H).to(dtype).to(DEV)
+        ids, w = route(x, m.gate.weight, m.e_score_correction_bias, K, m.scale, torch.tensor(T - 3))
+        local = m._local_keys(ids)
+        local = torch.where(local == E, -1, local).to(torch.int32)
+        assert (local >= 0).sum() >= 4 and (local < 0).sum() >= 6  # local, remote and padded pairs
+        want = m.routed_loop(x, ids, w) + m.shared_experts(x).float()
+        got = torch.full((T, H), float("nan"), dtype=torch.float32, device=DEV)
+        moe.fused_moe_torch(x, local, w.float().contiguous(), m.experts.w13, m.experts.w2,
+                            m.shared_experts.gate_up_proj.weight, m.shared_experts.down_proj.weight, ALPHA, LIMIT, got)
+    assert rel_err(got, want) < {torch.bfloat16: 1.5e-2, torch.float32: 1e-5}[dtype]
+
+
+@pytest.mark.parametrize("T", [3, 100])
+def test_every_candidate_config_agrees(T):
+    """All candidates give the same output (at T=100 the decode ones too: the hot expert then
+    spans several 16-row M-tiles), and a repeated call is bit-identical (no atomics)."""
+    pb = Problem(T, E=8, seed=T, dtype=torch.float32, **SMALL)
+    ref = pb.ref64()
+    outs = []
+    configs = moe.moe_config_candidates(T) + (moe.moe_config_candidates(1) if T > 64 else [])
+    for cfg in configs:
+        out = pb.poisoned_out()
+        moe.fused_moe(*pb.args(), out, config=cfg)
+        assert rel_err(out, ref) < TOL[torch.float32], cfg
+        outs.append(out)
+    for o in outs[1:]:
+        assert rel_err(o, outs[0]) < 1e-6
+    again = moe.fused_moe(*pb.args(), pb.poisoned_out(), config=configs[-1])
+    assert torch.equal(again, outs[-1])
+    pb16 = Problem(T, E=8, seed=T + 1, dtype=torch.bfloat16, **SMALL)
+    out16 = moe.fused_moe(*pb16.args(), pb16.poisoned_out(), config=moe.moe_config_candidates(T)[1])
+    assert rel_err(out16, pb16.ref64()) < TOL[torch.bfloat16]
+
+
+def test_configs_and_errors():
+    assert moe.default_moe_config(1) == moe.moe_config_candidates(64)[0]
+    assert moe.default_moe_config(1054) == moe.moe_config_candidates(65)[0]
+    assert moe.default_moe_config(1).block_m == 16 and moe.default_moe_config(1054).block_m == 64
+    for cfg in moe.moe_config_candidates(1) + moe.moe_config_candidates(1054):  # bf16 launches use them as given
+        gu_stage = (cfg.block_m + 2 * max(cfg.gu_block_n, cfg.gu_block_n_shared)) * cfg.gu_block_k * 2
+        assert moe._fit_stages(cfg.gu_num_stages, gu_stage) == cfg.gu_num_stages, cfg
+        dn_stage = (cfg.block_m + cfg.down_block_h) * cfg.down_block_k * 2
+        assert moe._fit_stages(cfg.down_num_stages, dn_stage) == cfg.down_num_stages, cfg
+    with pytest.raises(ValueError, match="block_m"):
+        moe.MoEConfig(block_m=24)
+    with pytest.raises(ValueError, match="num_warps"):
+        moe.MoEConfig(gu_num_warps=3)
+    pb = Problem(3, E=4, seed=0, dtype=torch.float32, **SMALL)
+    args = list(pb.args())
+    bad = {
+        1: pb.ids.long(),  # ids must be int32
+        2: pb.w.double(),  # weights fp32
+        3: pb.w13[:, :, :32],  # wrong H
+        4: pb.w2.transpose(1, 2),  # [E, I, H]
+        5: pb.sgu[:-1],  # odd rows
+        6: pb.sd.bfloat16(),  # dtype differs from x
+    }
+    for i, v in bad.items():
+        a = list(args)
+        a[i] = v
+        for fn in (moe.fused_moe, moe.fused_moe_torch):
+            with pytest.raises(ValueError):
+                fn(*a, pb.poisoned_out())
+    with pytest.raises(ValueError, match="out"):
+        moe.fused_moe(*args, torch.empty(3, 32))
+
+
+# ---- compile for Hopper at the real rank-of-8 shapes ----------------------------------------
+
+MOE = "models.minimax_m3.kernels.moe"
+MOE_PTRS = {"ids_ptr": "i32", "off_ptr": "i32", "sorted_ptr": "i32", "pos_ptr": "i32", "topk_w_ptr": "fp32",
+            "y_ptr": "fp32"}
+REAL = {"H": 6144, "I": 3072, "Is": 384, "E": 16, "K": 4}
+
+
+def moe_compile_cases(cfg, even=True):
+    """[gate_up, down] compile cases of ``cfg`` at the real shapes (both K loops even there;
+    ``even=False`` compiles the masked K loop that other shapes take)."""
+    K, E = REAL["K"], REAL["E"]
+    assert REAL["H"] % cfg.gu_block_k == 0 and REAL["I"] % cfg.down_block_k == 0 and REAL["Is"] % cfg.down_block_k == 0
+    gu = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.gu_block_n, "BLOCK_N_SHARED": cfg.gu_block_n_shared,
+          "BLOCK_K": cfg.gu_block_k, "EVEN_K": even, "DOT_F32": False}
+    dn = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h, "BLOCK_K": cfg.down_block_k,
+          "EVEN_K": even, "DOT_F32": False}
+    return [[MOE, "_moe_gate_up_kernel", gu, MOE_PTRS, ["alpha", "limit"], cfg.gu_num_warps, cfg.gu_num_stages],
+            [MOE, "_moe_down_kernel", dn, MOE_PTRS, [], cfg.down_num_warps, cfg.down_num_stages]]
+
+
+def test_kernels_compile_for_hopper():
+    configs = moe.moe_config_candidates(1) + moe.moe_config_candidates(1054)  # defaults: [0] and [4]
+    cases = [[MOE, "_moe_align_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 512}, MOE_PTRS, [], 16, 1],
+             [MOE, "_moe_align_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 16}, MOE_PTRS, [], 4, 1],
+             [MOE, "_moe_combine_kernel", {"K": 4, "BLOCK": 1024}, MOE_PTRS, [], 4, 1]]
+    for cfg in configs:
+        cases += moe_compile_cases(cfg)
+    cases += moe_compile_cases(configs[0], even=False) + moe_compile_cases(configs[4], even=False)
+    reports = run_compile_reports(cases)  # asserts shared <= 227 KiB and no big spills
+    for i, cfg in enumerate(configs):
+        gu, dn = reports[3 + 2 * i], reports[4 + 2 * i]
+        if cfg.block_m >= 64:  # one wgmma warpgroup needs 64 rows
+            assert gu["wgmma"] and dn["wgmma"], (cfg, gu, dn)
+    assert moe.default_moe_config(1054).block_m >= 64
+
+
+# ---- GPU: real shapes ------------------------------------------------------------------------
+
+
+def real_problem(T, seed):
+    return Problem(T, E=REAL["E"], seed=seed, dtype=torch.bfloat16, H=REAL["H"], I=REAL["I"], Is=REAL["Is"],
+                   K=REAL["K"], scale=1.0)
+
+
+def router_routing(T, K, E_local, E_global, gen, dev):
+    """Global top-K of E_global sigmoid scores per token, renormalised x2; only ids < E_local
+    are local (the rest -1, weight 0), as this rank sees a real router's output."""
+    scores = torch.sigmoid(torch.randn(T, E_global, generator=gen, device=dev))
+    w, ids = scores.topk(K, dim=-1)
+    w = w / w.sum(-1, keepdim=True) * 2.0
+    local = ids < E_local
+    return torch.where(local, ids, -1).to(torch.int32), torch.where(local, w, 0.0).float()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 8, 32, 64, 1054])
+def test_cuda_real_shapes(T):
+    pb = real_problem(T, seed=T)
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    for routing in ("skewed", "router"):
+        if routing == "router":
+            pb.ids, pb.w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
+        want = moe.fused_moe_torch(*pb.args(), pb.poisoned_out())
+        for cfg in moe.moe_config_candidates(T):
+            out = pb.poisoned_out()
+            moe.fused_moe(*pb.args(), out, config=cfg)
+            assert rel_err(out, want) < 1e-2, (routing, cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [8, 256])
+def test_cuda_graph_replay_with_new_routing(T):
+    pb = real_problem(T, seed=100 + T)
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    ids, w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
+    pb.ids.copy_(ids)
+    pb.w.copy_(w)
+    out = pb.poisoned_out()
+    moe.fused_moe(*pb.args(), out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.fused_moe(*pb.args(), out)
+    for step in range(3):
+        ids, w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
+        if step == 2:
+            ids[:, 0] = 0  # every token on one local expert: its M-tiles split over programs
+        pb.ids.copy_(ids)
+        pb.w.copy_(torch.where(ids >= 0, w.clamp(min=0.1), 0.0))
+        pb.x.copy_(torch.randn(pb.x.shape, generator=gen, device=DEV).to(pb.x.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = moe.fused_moe(*pb.args(), pb.poisoned_out())
+        assert torch.equal(out, eager), "replay must be bit-identical to an eager run"
+        assert rel_err(out, moe.fused_moe_torch(*pb.args(), pb.poisoned_out())) < 1e-2

@@ -1,0 +1,298 @@
+"""MiniMax-M3 steps through the runner: graphed (GPU) or debug-eager (CPU) steps equal eager
+steps; the padding sweep over every request capacity; refused chunks leave the cache exactly
+as a history without them; no request reads another's cache contents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.metadata import TokenChunk
+from graphcap import CaptureConfig, default_buckets
+from graphcap.validation import relative_error
+from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.runner import M3Runner, build_from_preset
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_pair(device, dtype, backend, buckets=(1, 2, 4, 8, 24), debug=False, preset="tiny", layers=None,
+              max_seqs=6, max_tokens=64, max_seq_len=160) -> tuple[M3Runner, M3Runner]:
+    """A graphed runner and an eager one over the same model, cache and backend."""
+    config = MiniMaxM3Config.preset(preset)
+    if layers:
+        config = config.first_layers(layers)
+    capture = CaptureConfig(enabled=True, max_tokens=buckets[-1] if buckets else max_tokens, buckets=buckets,
+                            debug_eager=debug)
+    graphed = build_from_preset(config, device, dtype, backend=backend, max_tokens=max_tokens, max_seqs=max_seqs,
+                                max_seq_len=max_seq_len, capture=capture)
+    return graphed, graphed.with_capture(CaptureConfig(max_tokens=max_tokens))
+
+
+def twice(graphed: M3Runner, eager: M3Runner, chunks, tol: float) -> torch.Tensor:
+    """Run ``chunks`` eagerly, rewind, run them graphed: both see the same cache state."""
+    ref = eager.step(chunks, all_logits=True)
+    for ch in chunks:
+        eager.rewind_request(ch.seq_id, ch.start_pos)
+    out = graphed.step(chunks, all_logits=True)
+    assert out.next_tokens == ref.next_tokens or tol > 1e-4
+    assert relative_error(out.logits.float(), ref.logits.float()) < tol
+    return out.logits
+
+
+def drive(graphed, eager, tol, steps=6, seed=0):
+    """Prefill 5 requests in chunks, then decode and mixed steps, each graphed and eager."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = graphed.model.config.vocab_size
+    for i in range(5):
+        graphed.add_request(i)
+
+    def chunk(i, n):
+        return TokenChunk(i, graphed.num_tokens(i), torch.randint(0, vocab, (n,), generator=g).tolist())
+
+    twice(graphed, eager, [chunk(i, 20) for i in range(3)], tol)  # 60 tokens: above the ceiling, eager
+    for s in range(steps):
+        if s % 3 == 2:
+            twice(graphed, eager, [chunk(i, 1) for i in range(4)] + [chunk(4, 17)], tol)  # mixed
+        else:
+            twice(graphed, eager, [chunk(i, 1) for i in range(1 + s % 4)], tol)  # uniform decode
+    return graphed.manager.stats
+
+
+def test_debug_eager_steps_equal_eager_steps():
+    graphed, eager = make_pair("cpu", torch.float32, "torch", debug=True)
+    stats = drive(graphed, eager, tol=1e-5)
+    assert stats.fallbacks == 1  # the 60-token prefill step
+    assert sum(s.hits for s in stats.buckets.values()) == 6
+
+
+def test_runner_rejects_a_ceiling_above_capacity():
+    with pytest.raises(ValueError, match="max_tokens"):
+        build_from_preset("tiny", "cpu", torch.float32, max_tokens=16, max_seqs=4, max_seq_len=64,
+                          capture=CaptureConfig(enabled=True, max_tokens=32))
+
+
+def sweep(max_seqs: int, buckets, device: str, dtype: torch.dtype, backend: str, layers: int = 2) -> dict:
+    """Uniform decode at every batch size up to ``max_seqs``, then a mixed step at capacity;
+    each step graphed (or debug-eager) and eager on the same cache state."""
+    max_tokens = 64
+    graphed, eager = make_pair(device, dtype, backend, buckets=buckets, debug=device == "cpu", layers=layers,
+                               preset="tiny" if device == "cpu" else "rank_of_8", max_seqs=max_seqs,
+                               max_tokens=max_tokens, max_seq_len=96)
+    graphed.capture()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i in range(max_seqs):
+        graphed.add_request(i)
+    twice(graphed, eager, [TokenChunk(i, 0, [i % 7 + 1]) for i in range(max_seqs)], tol)
+    for b in range(1, max_seqs + 1):
+        twice(graphed, eager, [TokenChunk(i, graphed.num_tokens(i), [(b + i) % 11]) for i in range(b)], tol)
+    prefill = min(max_tokens - (max_seqs - 1), 20)  # every request in one step, a prefill chunk among them
+    mixed = [TokenChunk(i, graphed.num_tokens(i), [3]) for i in range(max_seqs - 1)]
+    mixed.append(TokenChunk(max_seqs - 1, graphed.num_tokens(max_seqs - 1), [5] * prefill))
+    twice(graphed, eager, mixed, tol)
+    return graphed.manager.stats.buckets
+
+
+BUCKET_LISTS = [None, (1, 2, 3, 6, 8, 24, 64), (1, 2, 4, 8, 24, 64), (5, 7, 64)]
+
+
+@pytest.mark.parametrize("buckets", BUCKET_LISTS, ids=["default", "non-default", "1248-24", "sparse"])
+def test_every_request_capacity_decodes_up_to_capacity(buckets):
+    """The bug this guards: a decode batch between the largest whole-graph bucket and
+    ``max_seqs`` landed on a segmented bucket whose request rows exceeded capacity."""
+    hit_segmented_decode = False
+    for max_seqs in range(1, 41):
+        stats = sweep(max_seqs, buckets, "cpu", torch.float32, "torch")
+        hit_segmented_decode |= any(not full and b > max_seqs for (b, full), s in stats.items() if s.hits)
+    assert hit_segmented_decode  # the sweep did reach segmented buckets above the request capacity
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("buckets", [None, (1, 2, 3, 6, 8, 24, 64)], ids=["default", "non-default"])
+@pytest.mark.parametrize("max_seqs", [1, 3, 5, 6, 9, 10, 17, 40])
+def test_every_request_capacity_replays_on_gpu(max_seqs, buckets):
+    stats = sweep(max_seqs, buckets, "cuda", torch.bfloat16, "auto", layers=4)
+    whole = {b for (b, full), s in stats.items() if full and s.status == "captured"}
+    want = {b for b in (buckets or default_buckets(64)) if b <= max_seqs}
+    assert whole == want, "every whole-graph bucket, non-default sizes included, captures on flashinfer + Triton"
+    assert all(s.status == "captured" for s in stats.values() if s.hits)
+
+
+# ---- refused steps ----------------------------------------------------------------------
+
+
+def cache_state(r: M3Runner) -> list:
+    c = r.cache
+    return [c.k_cache.clone(), c.v_cache.clone(), c.index_k_cache.clone(), c.block_tables.clone(),
+            c.num_free_pages, {s: (c.pages(s), c.num_written(s)) for s in c._row}]
+
+
+def assert_same_state(a: list, b: list) -> None:
+    for x, y in zip(a, b):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+BAD_STEPS = {
+    "gap": (lambda r: [TokenChunk("a", r.num_tokens("a") + 3, [1])], ValueError, "request 'a'.*skips past"),
+    "duplicate": (lambda r: [TokenChunk("a", r.num_tokens("a"), [1]), TokenChunk("a", r.num_tokens("a") + 1, [2])],
+                  ValueError, "request 'a' appears twice"),
+    "out of vocab": (lambda r: [TokenChunk("b", r.num_tokens("b"), [1, 256])], ValueError,
+                     r"request 'b': token id 256 is outside the vocabulary \[0, 256\)"),
+    "negative id": (lambda r: [TokenChunk("b", r.num_tokens("b"), [-1])], ValueError, "token id -1"),
+    "unknown": (lambda r: [TokenChunk("zz", 0, [1])], ValueError, r"add it first \(M3Runner.add_request"),
+    "rewrite": (lambda r: [TokenChunk("a", 0, [1])], ValueError, "rewind_request"),
+    "too long": (lambda r: [TokenChunk("b", r.num_tokens("b"), [1] * 70)], ValueError, "max_tokens=64"),
+    "out of pages": (lambda r: [TokenChunk("c", 0, [1] * 60)], RuntimeError, "new KV pages"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_STEPS))
+def test_refused_step_leaves_the_cache_as_a_history_without_it(bad):
+    make, exc, msg = BAD_STEPS[bad]
+    runs = []
+    for with_bad in (False, True):
+        r = build_from_preset("tiny", "cpu", torch.float32, max_tokens=64, max_seqs=3, max_seq_len=96, num_pages=16)
+        for s in "abc":
+            r.add_request(s)
+        outs = [r.step([TokenChunk("a", 0, list(range(1, 30))), TokenChunk("b", 0, [4, 5, 6])])]
+        if with_bad:
+            before = cache_state(r)
+            with pytest.raises(exc, match=msg):
+                r.step(make(r))
+            assert_same_state(before, cache_state(r))
+        outs.append(r.step([TokenChunk("a", 29, [7]), TokenChunk("b", 3, [8, 9])]))
+        runs.append((outs, cache_state(r)))
+    (outs_a, state_a), (outs_b, state_b) = runs
+    assert_same_state(state_a, state_b)
+    for x, y in zip(outs_a, outs_b):
+        assert x.next_tokens == y.next_tokens and torch.equal(x.logits, y.logits)
+
+
+def test_bools_and_floats_are_refused_where_ints_are_meant():
+    with pytest.raises(ValueError, match="start_pos must be an integer"):
+        TokenChunk("a", True, [1])
+    with pytest.raises(ValueError, match="not an integer token id"):
+        TokenChunk("a", 0, [8.7])
+    with pytest.raises(ValueError, match="max_tokens"):
+        build_from_preset("tiny", "cpu", torch.float32, max_tokens=True)
+    r = build_from_preset("tiny", "cpu", torch.float32, max_tokens=32, max_seqs=2, max_seq_len=64)
+    r.add_request("a")
+    r.step([TokenChunk("a", 0, [1, 2])])
+    for bad in (True, 3, -1):
+        with pytest.raises(ValueError, match="rewind to"):
+            r.rewind_request("a", bad)
+
+
+def test_a_request_never_reads_a_previous_owners_pages():
+    """The same request's logits do not depend on who used its pages before."""
+    fresh = build_from_preset("tiny", "cpu", torch.float32, max_tokens=32, max_seqs=2, max_seq_len=64, num_pages=4)
+    fresh.add_request("x")
+    want = [fresh.step([TokenChunk("x", 0, [3, 1, 4])]).logits, fresh.step([TokenChunk("x", 3, [1])]).logits]
+    used = build_from_preset("tiny", "cpu", torch.float32, max_tokens=32, max_seqs=2, max_seq_len=64, num_pages=4)
+    used.add_request("old")
+    used.step([TokenChunk("old", 0, list(range(9, 25)))])  # fills every page with its K/V
+    used.cache.k_cache.mul_(100)  # and makes any stale read loud
+    used.free_request("old")
+    used.add_request("x")
+    with pytest.raises(ValueError, match="skips past"):
+        used.step([TokenChunk("x", 5, [1])])  # a gap would read the old owner's slots 0..4
+    got = [used.step([TokenChunk("x", 0, [3, 1, 4])]).logits, used.step([TokenChunk("x", 3, [1])]).logits]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_rewind_rewrites_earlier_positions():
+    r = build_from_preset("tiny", "cpu", torch.float32, max_tokens=32, max_seqs=2, max_seq_len=64)
+    r.add_request("s")
+    r.step([TokenChunk("s", 0, [5, 6, 7, 8])])
+    want = r.step([TokenChunk("s", 4, [9])]).logits
+    r.rewind_request("s", 2)  # drop positions 2.. (e.g. rejected speculative tokens)
+    assert r.num_tokens("s") == 2
+    r.step([TokenChunk("s", 2, [1, 1])])  # different tokens at 2, 3
+    r.rewind_request("s", 2)
+    r.step([TokenChunk("s", 2, [7, 8])])
+    # positions 2, 3 were computed in a 2-token chunk this time: GEMMs of another shape round differently
+    torch.testing.assert_close(r.step([TokenChunk("s", 4, [9])]).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_producer_reading_step_metadata_raises_naming_the_read():
+    """A Python int read from the attention metadata in producer code would be frozen into a
+    graph: the guarded step context refuses it (debug-eager runs the capture path's checks)."""
+    r = build_from_preset("tiny", "cpu", torch.float32, max_tokens=32, max_seqs=2, max_seq_len=64,
+                          capture=CaptureConfig(enabled=True, debug_eager=True, max_tokens=32))
+    layer = r.model.model.layers[1]
+    orig = layer.self_attn.o_proj.forward
+    layer.self_attn.o_proj.forward = lambda x: orig(x) * (1 + 0 * r.backend.meta.num_tokens)
+    r.add_request("a")
+    with pytest.raises(RuntimeError, match=r"AttentionBackend.meta was read by captured producer code at .*test_m3_runner"):
+        r.step([TokenChunk("a", 0, [1, 2, 3])])
+    assert r.num_tokens("a") == 0  # the failed step did not advance the request
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_captured_steps_equal_eager_steps_on_gpu(backend):
+    graphed, eager = make_pair("cuda", torch.bfloat16, backend, preset="rank_of_8", layers=4)
+    graphed.capture()
+    assert graphed.validate() == {}
+    assert not graphed.has_dummies
+    stats = drive(graphed, eager, tol=2e-2)
+    whole = [s for (b, full), s in stats.buckets.items() if full]
+    if backend == "torch":  # host loops: no whole decode graph may pass through them
+        assert all(s.status == "skipped" for s in whole)
+    else:
+        assert any(s.status == "captured" and s.hits for s in whole)
+    assert all(s.status == "captured" for (b, full), s in stats.buckets.items() if not full)
+
+
+@pytest.mark.cuda
+def test_reallocated_flashinfer_buffer_invalidates_never_replays_stale():
+    """Every buffer the graphs read is registered: a flashinfer workspace or indptr buffer
+    replaced after capture triggers a recapture (new wrappers on the new buffers)."""
+    pytest.importorskip("flashinfer")
+    graphed, eager = make_pair("cuda", torch.bfloat16, "flashinfer", preset="rank_of_8", layers=4)
+    graphed.capture()
+    for i in range(3):
+        graphed.add_request(i)
+    twice(graphed, eager, [TokenChunk(i, 0, [1, 2, 3, 4, 5]) for i in range(3)], 2e-2)
+    dense = graphed.backend.dense_part
+    for name in ("_indptr_buf", "_workspace_buf"):
+        before = graphed.manager.stats.invalidations
+        setattr(dense, name, getattr(dense, name).clone())
+        dense._decode.clear()  # wrappers hold views of the old buffers: init_capture rebuilds them
+        twice(graphed, eager, [TokenChunk(i, graphed.num_tokens(i), [7]) for i in range(3)], 2e-2)
+        assert graphed.manager.stats.invalidations == before + 1, name
+
+
+def test_fused_triton_producer_matches_torch_producer():
+    """The model with the fused norm+RoPE+cache-write kernel (Triton interpreter on CPU) gives
+    the torch producer's logits and cache contents."""
+    runs = {}
+    for producer in ("torch", "triton"):
+        r = build_from_preset("tiny", "cpu", torch.float32, producer=producer, max_tokens=32, max_seqs=2, max_seq_len=64)
+        assert r.model.ops.name.startswith(producer)
+        r.add_request(0)
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(0, r.model.config.vocab_size, (14,), generator=g).tolist()
+        first = r.step([TokenChunk(0, 0, prompt)], all_logits=True).logits
+        second = r.step([TokenChunk(0, 14, [5])], all_logits=True).logits
+        runs[producer] = (first, second, r.cache.k_cache.clone(), r.cache.index_k_cache.clone())
+    for a, b in zip(runs["torch"], runs["triton"]):
+        assert relative_error(b, a) < 1e-4
+
+
+def test_unknown_producer_is_rejected():
+    with pytest.raises(ValueError, match="producer"):
+        build_from_preset("tiny", "cpu", torch.float32, producer="cuda-magic")
+
+
+def test_dummy_requests_never_outlive_a_step():
+    """Warm-up, capture and validation run on private dummy requests; none stay in the cache."""
+    graphed, _ = make_pair("cpu", torch.float32, "torch", debug=True)
+    free_pages = graphed.cache.num_free_pages
+    graphed.capture()
+    graphed.validate()
+    assert not graphed.has_dummies and graphed.cache.num_free_pages == free_pages
+    graphed.add_request("r")
+    graphed.step([TokenChunk("r", 0, [1, 2, 3])])
+    assert not graphed.has_dummies
