@@ -91,7 +91,8 @@ def wall_ms(fn: Callable[[], object], iters: int) -> float:
     fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -108,18 +109,22 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--decode-steps", type=int, default=200, help="greedy agreement check, fused vs torch")
     p.add_argument("--json", default="bench_m3_producers.json")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny preset, tiny steps")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_m3_producers needs a CUDA GPU")
+    if args.smoke:
+        args.layers, args.context, args.decode, args.mixed, args.iters, args.decode_steps = 4, 40, "1,2", "2,8", 1, 3
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_m3_producers needs a CUDA GPU (use --smoke to check the script on CPU)")
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     torch.manual_seed(0)
     sizes = [int(x) for x in args.decode.split(",")]
     n_dec, chunk = (int(x) for x in args.mixed.split(","))
     max_seqs = max(max(sizes), n_dec + 1)
     ceiling = n_dec + chunk
     buckets = tuple(sorted({*sizes, ceiling}))
-    config = MiniMaxM3Config.rank_of_8().first_layers(args.layers)
+    config = (MiniMaxM3Config.tiny() if args.smoke else MiniMaxM3Config.rank_of_8()).first_layers(args.layers)
     t0 = time.perf_counter()
-    base = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=ceiling, max_seqs=max_seqs,
+    base = build_from_preset(config, device, dtype, backend="auto", max_tokens=ceiling, max_seqs=max_seqs,
                              max_seq_len=args.context + chunk + args.decode_steps + 8, producer="torch")
     build_s = time.perf_counter() - t0
     model, cache = base.model, base.cache
@@ -141,9 +146,10 @@ def main() -> None:
     prompt = torch.randint(0, vocab, (chunk,), generator=gen).tolist()
     steps[f"mixed {n_dec}+{chunk}"] = ([TokenChunk(i, args.context, tok()) for i in range(n_dec)]
                                        + [TokenChunk(prefill_seq, args.context - chunk, prompt)])
-    tables = {"torch": model.ops, "eager": model.ops, "fused": m3ops.make_ops("triton", "cuda", torch.bfloat16),
+    tables = {"torch": model.ops, "eager": model.ops, "fused": m3ops.make_ops("triton", device, dtype),
               "compile": None}
-    results: dict = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, layers=args.layers,
+    results: dict = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+                         torch=torch.__version__, layers=args.layers,
                          context=args.context, buckets=buckets, build_s=build_s, modes={})
     ref_logits: dict[str, torch.Tensor] = {}
     trace: dict | None = None
@@ -152,7 +158,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         model.ops = tables[mode] if tables[mode] is not None else compiled_ops()
         capture = CaptureConfig(enabled=mode != "eager", max_tokens=ceiling, buckets=buckets,
-                                guard_producers=mode != "compile")
+                                guard_producers=mode != "compile", debug_eager=device == "cpu")
         runner = base.with_capture(capture)
         t0 = time.perf_counter()
         runner.capture()
@@ -197,11 +203,11 @@ def main() -> None:
 
 
 def decode_trace(runner: M3Runner, n_steps: int, context: int, reference: dict | None = None) -> dict:
-    """``n_steps`` greedy decode steps of 4 requests. Without ``reference``: record the inputs,
+    """``n_steps`` greedy decode steps of (up to) 4 requests. Without ``reference``: record the inputs,
     greedy tokens, top-2 logit gaps and bf16 error bounds (2e-2 of the logits' rms, the bf16
     tolerance used elsewhere). With it: run the reference's inputs (teacher forcing) and count,
     over the steps whose reference gap exceeds the bound, the greedy tokens that agree."""
-    seqs = [0, 1, 2, 3]
+    seqs = list(range(min(4, runner.max_seqs - 1)))  # the last request is the mixed step's prefill
     tokens = [7] * len(seqs)
     rec: dict = dict(inputs=[], next=[], gap=[], bound=[])
     checked = agree = 0
