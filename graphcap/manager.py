@@ -247,25 +247,43 @@ class CaptureManager:
             self._stale = reason
 
     # -------------------------------------------------------------------- run
+    def ensure_fresh(self) -> bool:
+        """Capture now if graphs are due (first use, or registered storage moved). Call it
+        before building a step: a capture runs dummy steps that rewrite the caller's
+        persistent metadata buffers. Returns True when it captured.
+
+        Raises:
+            RuntimeError: graphs are stale and ``recapture_on_invalidation`` is off.
+        """
+        if not self.uses_graphs:
+            return False
+        if self._stale is not None:
+            raise RuntimeError(
+                f"captured graphs are stale ({self._stale}) and recapture_on_invalidation is off; "
+                f"call CaptureManager.capture() again"
+            )
+        if not self._captured:
+            self.capture()
+            return True
+        moved = self.registry.changed()
+        if moved is None:
+            return False
+        self.invalidate(moved)
+        if self._stale is not None:
+            raise RuntimeError(f"{moved}: captured graphs are invalid and recapture_on_invalidation is off; "
+                               f"call CaptureManager.capture() again")
+        return True
+
     def run(self, step: Step) -> Any:
         """Run one step: replay its bucket's graph, or eagerly through the same code.
 
         Returns the forward's output with ``step.num_tokens`` rows (a view into graph memory
-        when replayed: consume it before the next step).
+        when replayed: consume it before the next step). A due (re)capture runs first: when the
+        step's inputs live in buffers the dummy steps of a capture rewrite (persistent metadata),
+        call ``ensure_fresh()`` before building the step.
         """
         n = step.num_tokens
-        if self.uses_graphs:
-            if self._stale is not None:
-                raise RuntimeError(
-                    f"captured graphs are stale ({self._stale}) and recapture_on_invalidation is off; "
-                    f"call CaptureManager.capture() again"
-                )
-            if not self._captured:
-                self.capture()
-            moved = self.registry.changed()
-            if moved is not None:
-                self.invalidate(moved)
-                return self.run(step)
+        self.ensure_fresh()
         padding, key = self._decide(step)
         if key is None:
             self._count_eager(step)

@@ -188,11 +188,12 @@ class M3Runner:
         """One step: check and build, run (replay or eager), sample greedily per chunk.
 
         The chunks' written lengths advance only when the step succeeds."""
-        step = self.make_step(chunks)
         try:
-            hidden = self.manager.run(step)
+            self.manager.ensure_fresh()  # a (re)capture runs dummy steps: before this step is built
         finally:
-            self.release_dummies()  # a recapture (registered storage moved) ran on dummy requests
+            self.release_dummies()
+        step = self.make_step(chunks)
+        hidden = self.manager.run(step)
         out = self.sample(hidden, step, all_logits)
         for ch in chunks:
             self.cache.set_written(ch.seq_id, ch.end_pos)

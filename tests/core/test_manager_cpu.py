@@ -188,3 +188,15 @@ def test_step_is_frozen_and_validated():
         type(step)(num_tokens=2, num_seqs=1, inputs={}, uniform_decode=True)
     with pytest.raises(ValueError, match="num_seqs"):
         type(step)(num_tokens=2, num_seqs=3, inputs={})
+
+
+def test_guard_off_skips_op_checks_but_still_refuses_step_reads():
+    """guard_producers=False (for torch.compile'd producers) no longer checks ops for host
+    syncs, but producer code reading the step is refused as before."""
+    model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, guard_producers=False))
+    orig = model.norm.forward
+    model.norm.forward = lambda x: orig(x) * float(x.abs().max().item() > -1)  # a host sync: not checked now
+    manager.run(make_step(CFG, [(0, 0, 4)]))
+    model.norm.forward = lambda x: orig(x) + 0 * len(current_step().metadata.positions)
+    with pytest.raises(RuntimeError, match="read by captured producer code"):
+        manager.run(make_step(CFG, [(0, 0, 4)]))
