@@ -36,11 +36,13 @@ def _as_int(value: object) -> int | None:
 def _token_ids(seq_id: Hashable, token_ids: object) -> tuple[int, ...]:
     """Token ids as a tuple of ints; floats, bools and other types are refused (never truncated)."""
     if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1 or token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+        if (token_ids.dim() != 1 or token_ids.is_floating_point() or token_ids.is_complex()
+                or token_ids.dtype == torch.bool):
             raise ValueError(f"request {seq_id!r}: token_ids must be a 1-D integer sequence, got a "
                              f"{token_ids.dtype} tensor of shape {tuple(token_ids.shape)}")
         return tuple(token_ids.tolist())
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) and not hasattr(token_ids, "__array__"):
+    if (isinstance(token_ids, (str, bytes))
+            or not isinstance(token_ids, Sequence) and not hasattr(token_ids, "__array__")):
         raise ValueError(f"request {seq_id!r}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     out = []
     for i, t in enumerate(token_ids):
@@ -177,7 +179,8 @@ class MetadataBuilder:
         device: where the buffers live (normally the cache's device).
     """
 
-    def __init__(self, cache: PagedKVCache, max_tokens: int, max_seqs: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, cache: PagedKVCache, max_tokens: int, max_seqs: int,
+                 device: torch.device | str | None = None) -> None:
         if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"MetadataBuilder.max_tokens must be a positive int, got {max_tokens!r}")
         if not is_int(max_seqs) or max_seqs < 1:
@@ -227,10 +230,12 @@ class MetadataBuilder:
         if bad:
             raise ValueError(f"a step is a sequence of TokenChunk, got {type(bad[0]).__name__}")
         if len(chunks) > self.max_seqs:
-            raise ValueError(f"step has {len(chunks)} requests but max_seqs={self.max_seqs}; split the step or raise max_seqs")
+            raise ValueError(f"step has {len(chunks)} requests but max_seqs={self.max_seqs}; "
+                             "split the step or raise max_seqs")
         total = sum(ch.num_tokens for ch in chunks)
         if total > self.max_tokens:
-            raise ValueError(f"step has {total} tokens but max_tokens={self.max_tokens}; split the step or raise max_tokens")
+            raise ValueError(f"step has {total} tokens but max_tokens={self.max_tokens}; "
+                             "split the step or raise max_tokens")
         cache, seen, pages = self.cache, set(), 0
         for ch in chunks:
             sid = ch.seq_id
@@ -243,7 +248,8 @@ class MetadataBuilder:
             if ch.start_pos != written:
                 what = "skips past" if ch.start_pos > written else "rewrites"
                 raise ValueError(
-                    f"request {sid!r}: chunk at start_pos={ch.start_pos} {what} the {written} positions written so far; "
+                    f"request {sid!r}: chunk at start_pos={ch.start_pos} {what} the {written} positions "
+                    "written so far; "
                     f"a chunk must continue its sequence (start_pos={written})"
                     + ("" if ch.start_pos > written else ", or rewind it first (M3Runner.rewind_request)"))
             if ch.end_pos > cache.config.max_seq_len:
@@ -255,8 +261,8 @@ class MetadataBuilder:
                     raise ValueError(f"request {sid!r}: token id {out[0]} is outside the vocabulary [0, {vocab_size})")
             pages += cache.pages_needed(sid, ch.end_pos)
         if pages > cache.num_free_pages:
-            raise RuntimeError(f"step needs {pages} new KV pages but {cache.num_free_pages} of {cache.num_pages} are free; "
-                               f"run fewer chunks or free finished requests")
+            raise RuntimeError(f"step needs {pages} new KV pages but {cache.num_free_pages} of {cache.num_pages} "
+                               f"are free; run fewer chunks or free finished requests")
 
     def build(self, chunks: Sequence[TokenChunk]) -> AttentionMetadata:
         """Metadata for ``chunks`` (checked by ``check``, pages reserved) flattened in order."""

@@ -61,7 +61,7 @@ def make_backend(kind: str, cache: PagedKVCache, dims: AttentionDims) -> Attenti
             for k in AUTO_ORDER:
                 try:
                     backend = _resolve(k)(cache, dims)
-                except (ImportError, RuntimeError) as e:
+                except (ImportError, RuntimeError, ValueError) as e:  # missing, or cannot serve this cache
                     skipped[k] = str(e)
                     continue
                 backend.auto_choice = AutoChoice(k, skipped)  # type: ignore[attr-defined]

@@ -38,7 +38,6 @@ from typing import Callable
 
 import torch
 
-
 HBM_TBPS, BF16_TFLOPS = 4.3, 790.0
 
 
@@ -149,7 +148,8 @@ def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]
     cache = make_cache(d, [ctx] * batch, capacity, device)
     meta = MetadataBuilder(cache, max_tokens=batch, max_seqs=batch).build(
         [TokenChunk(i, ctx - 1, [0]) for i in range(batch)])
-    q, iq = rand(batch, d.num_qo_heads, d.head_dim, device=device), rand(batch, d.num_kv_heads, d.index_dim, device=device)
+    q, iq = (rand(batch, d.num_qo_heads, d.head_dim, device=device),
+             rand(batch, d.num_kv_heads, d.index_dim, device=device))
     topk = torch.full((d.num_kv_heads, batch, d.topk), -1, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     ik, kc, vc = cache.index_k_cache[0], cache.k_cache[0], cache.v_cache[0]
@@ -173,7 +173,8 @@ def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]
     attn_flops = 4 * keys * (d.num_qo_heads // H) * D
     note = f"capacity {capacity} tokens" if capacity != ctx else ""
     rows = [
-        Row("index_topk decode", ctx, batch, timer(idx), idx_bytes, 2 * H * Di * batch * ctx, timer.graph(idx), note=note),
+        Row("index_topk decode", ctx, batch, timer(idx), idx_bytes, 2 * H * Di * batch * ctx, timer.graph(idx),
+            note=note),
         Row("sparse_attn decode", ctx, batch, timer(attn), attn_bytes, attn_flops, timer.graph(attn), note=note),
         Row("decode idx+attn", ctx, batch, timer(both), idx_bytes + attn_bytes, 2 * H * Di * batch * ctx + attn_flops,
             timer.graph(both), note=note),
@@ -203,7 +204,8 @@ def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
     d = dims
     cache = make_cache(d, [ctx], ctx, device)
     meta = MetadataBuilder(cache, max_tokens=chunk, max_seqs=1).build([TokenChunk(0, ctx - chunk, [0] * chunk)])
-    q, iq = rand(chunk, d.num_qo_heads, d.head_dim, device=device), rand(chunk, d.num_kv_heads, d.index_dim, device=device)
+    q, iq = (rand(chunk, d.num_qo_heads, d.head_dim, device=device),
+             rand(chunk, d.num_kv_heads, d.index_dim, device=device))
     topk = torch.full((d.num_kv_heads, chunk, d.topk), -1, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     ik, kc, vc = cache.index_k_cache[0], cache.k_cache[0], cache.v_cache[0]
@@ -229,7 +231,8 @@ def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
     for sel, tag in ((topk, "indexer"), (shared, "shared4")):
         for bt in (None, 1):
             rows.append(Row(f"sparse_attn prefill bt={bt or 'auto'} {tag}", ctx, chunk,
-                            timer(lambda: sparse_attention_prefill(q, kc, vc, sel, meta, out, scale, bt)),
+                            timer(lambda sel=sel, bt=bt:
+                                  sparse_attention_prefill(q, kc, vc, sel, meta, out, scale, bt)),
                             attn_bytes, attn_flops))
     if ref_ok:
         ref_topk = torch.empty_like(topk)
@@ -259,8 +262,8 @@ def bench_dense_decode(dims, ctx, batch, timer, device) -> list[Row]:
         dense_attention_triton(q, cache.k_cache[0], cache.v_cache[0], meta, out, d.head_dim**-0.5, graph_safe=True)
 
     byts = batch * ctx * d.num_kv_heads * d.head_dim * 4
-    row = Row("dense_attn decode (fallback)", ctx, batch, timer(fn), byts, 4 * batch * d.num_qo_heads * ctx * d.head_dim,
-              timer.graph(fn))
+    row = Row("dense_attn decode (fallback)", ctx, batch, timer(fn), byts,
+              4 * batch * d.num_qo_heads * ctx * d.head_dim, timer.graph(fn))
     return [row.finish()]
 
 

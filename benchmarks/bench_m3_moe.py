@@ -84,8 +84,8 @@ class Weights:
         def r(*shape: int) -> torch.Tensor:
             return (torch.randn(shape, device=device, dtype=dtype) * shape[-1] ** -0.5)
 
-        H, I, Is, E = d.hidden, d.inter, d.shared_inter, d.num_local
-        self.routed = [(r(E, 2 * I, H), r(E, H, I)) for _ in range(routed_sets)]
+        H, inter, Is, E = d.hidden, d.inter, d.shared_inter, d.num_local
+        self.routed = [(r(E, 2 * inter, H), r(E, H, inter)) for _ in range(routed_sets)]
         self.shared = [(r(2 * Is, H), r(H, Is)) for _ in range(shared_sets)]
 
     def call_sets(self, n_calls: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -182,8 +182,8 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
     ids = torch.where(local, gids, -1).to(torch.int32)
     w = torch.where(local, gw, 0.0).contiguous()
     n_exp = int(torch.unique(ids[ids >= 0]).numel())
-    H, I, Is = d.hidden, d.inter, d.shared_inter
-    nbytes = float((n_exp * 3 * I * H + 3 * Is * H) * 2 + 2 * T * H * 2 + T * d.top_k * 8)
+    H, inter, Is = d.hidden, d.inter, d.shared_inter
+    nbytes = float((n_exp * 3 * inter * H + 3 * Is * H) * 2 + 2 * T * H * 2 + T * d.top_k * 8)
     sets = wts.call_sets(args.calls)
     ref = reference_fp32(x, ids, w, *sets[0])
     rows: list[Row] = []

@@ -108,6 +108,8 @@ def main() -> None:
     p.add_argument("--modes", default="eager,torch,fused,compile")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--decode-steps", type=int, default=200, help="greedy agreement check, fused vs torch")
+    p.add_argument("--accuracy-layers", type=int, default=4,
+                   help="layers of the fp32-reference check (fp32 weights of 60 layers do not fit one GPU)")
     p.add_argument("--json", default="bench_m3_producers.json")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny preset, tiny steps")
     args = p.parse_args()
@@ -199,7 +201,66 @@ def main() -> None:
         torch.cuda.empty_cache()
         with open(args.json, "w") as f:  # after every mode: a time box cutting the run short keeps what ran
             json.dump(results, f, indent=1, default=str)
+    if args.accuracy_layers:
+        results["fp32_reference"] = fp32_reference_check(base, args.accuracy_layers, args.decode_steps, device)
+        print("fp32 reference check:", results["fp32_reference"])
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
     print_table(results, args.layers)
+
+
+def fp32_reference_check(big: M3Runner, layers: int, n_steps: int, device: str) -> dict:
+    """The first ``layers`` layers of the model three times over identical weights and caches:
+    fp32 with the torch producers and the reference attention (the reference), bf16 with the
+    torch producers, bf16 with the fused producers (both on the production attention backend).
+    A ``n_steps`` greedy decode of 4 requests, teacher-forced on the fp32 tokens: per step the
+    logits' relative error against fp32, and the greedy agreement of fused with torch wherever
+    the torch logits' top-2 gap exceeds twice that step's bf16 error bound (the largest logit
+    error of the bf16 torch path against fp32)."""
+    cfg = big.model.config.first_layers(layers)
+    context, n_req = 600, 4
+    params = dict(big.model.named_parameters())
+    runs = {}
+    for name, dtype, producer, backend in (("fp32", torch.float32, "torch", "torch"),
+                                           ("bf16 torch", torch.bfloat16, "torch", "auto"),
+                                           ("bf16 fused", torch.bfloat16, "triton", "auto")):
+        r = build_from_preset(cfg, device, dtype, backend=backend, max_tokens=64, max_seqs=n_req,
+                              max_seq_len=context + n_steps + 8, producer=producer,
+                              moe_impl="loop" if dtype == torch.float32 else "auto")
+        with torch.no_grad():
+            for n, p in r.model.named_parameters():
+                p.copy_(params[n])
+        gen = torch.Generator(device=device).manual_seed(5)
+        for t in (r.cache.k_cache, r.cache.v_cache, r.cache.index_k_cache):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device))
+        for q in range(n_req):
+            r.add_request(q)
+            r.cache.reserve(q, context)
+            r.cache.set_written(q, context)
+        runs[name] = r
+    tokens, errs, checked, agree, same_as_fp32 = [11] * n_req, {"bf16 torch": [], "bf16 fused": []}, 0, 0, {}
+    for s in range(n_steps):
+        chunks = [TokenChunk(q, context + s, [t]) for q, t in enumerate(tokens)]
+        out = {name: r.step(chunks) for name, r in runs.items()}
+        ref = out["fp32"].logits.float()
+        for name in errs:
+            errs[name].append(relative_error(out[name].logits.float(), ref))
+            same_as_fp32[name] = same_as_fp32.get(name, 0) + sum(
+                a == b for a, b in zip(out[name].next_tokens, out["fp32"].next_tokens))
+        lt = out["bf16 torch"].logits.float()
+        bound = (lt - ref).abs().amax(-1)
+        top2 = lt.topk(2, dim=-1).values
+        for r_ in range(n_req):
+            if top2[r_, 0] - top2[r_, 1] > 2 * bound[r_]:
+                checked += 1
+                agree += out["bf16 fused"].next_tokens[r_] == out["bf16 torch"].next_tokens[r_]
+        tokens = out["fp32"].next_tokens
+    total = n_steps * n_req
+    return dict(layers=layers, steps=n_steps, requests=n_req, context=context,
+                rel_err_median={k: statistics.median(v) for k, v in errs.items()},
+                rel_err_max={k: max(v) for k, v in errs.items()},
+                greedy_checked=checked, greedy_agree=agree,
+                tokens_equal_to_fp32={k: f"{v}/{total}" for k, v in same_as_fp32.items()})
 
 
 def decode_trace(runner: M3Runner, n_steps: int, context: int, reference: dict | None = None) -> dict:

@@ -198,7 +198,8 @@ def load_flashinfer(skip: bool, device: str):
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - a failed JIT build means: no flashinfer rows
         return None, f"first call failed: {type(exc).__name__}: {exc}"
-    return flashinfer, f"flashinfer {getattr(flashinfer, '__version__', '?')}, build/first call {time.time() - t0:.1f} s"
+    return flashinfer, (f"flashinfer {getattr(flashinfer, '__version__', '?')}, "
+                        f"build/first call {time.time() - t0:.1f} s")
 
 
 def print_table(rows: list[Row], header: str) -> None:
@@ -208,7 +209,9 @@ def print_table(rows: list[Row], header: str) -> None:
     print(cols)
     print("-" * len(cols))
     for r in rows:
-        f = lambda v, fmt: format(v, fmt) if v is not None else "-"
+        def f(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+
         best = r.graph20_us or r.graph_us
         print(f"{r.op:24s} {r.impl:14s} {r.tokens:5d} {f(r.graph_us, '9.2f'):>9s} {f(r.graph20_us, '10.2f'):>10s} "
               f"{r.floor_us:8.2f} {f(best / r.floor_us if best else None, '7.1f'):>7s}  {r.agreement} {r.note}")

@@ -214,9 +214,9 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
             if bt == bt_att:
                 att_row(f"tiled bt={bt} 1 launch", lambda tt=tt, sel=sel, bt=bt: sparse.sparse_attention_prefill(
                     st.q, st.k, st.v, sel, meta, st.out, st.scale, block_t=bt, tiles=tt.rows), 1)
-    info = {"tokens": st.T, "decodes": a.decodes, "decode_ctx": a.decode_ctx, "chunk": a.chunk, "chunk_start": a.chunk_start,
-                "plan_host_us": plan_us, "tiles_indexer": len(t_idx.rows), "tiles_attention": len(tiles(bt_att).rows),
-                "block_t_indexer": bt_idx, "block_t_attention": bt_att}
+    info = {"tokens": st.T, "decodes": a.decodes, "decode_ctx": a.decode_ctx, "chunk": a.chunk,
+            "chunk_start": a.chunk_start, "plan_host_us": plan_us, "tiles_indexer": len(t_idx.rows),
+            "tiles_attention": len(tiles(bt_att).rows), "block_t_indexer": bt_idx, "block_t_attention": bt_att}
     return rows, info
 
 

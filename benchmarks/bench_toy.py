@@ -46,8 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(x) for x in args.tokens.split(",")]
     ceiling = max(counts)
-    cfg = ToyConfig(num_layers=args.layers, hidden=args.hidden, num_heads=16, vocab=32000, max_seqs=ceiling, max_len=128,
-                    max_tokens=ceiling)
+    cfg = ToyConfig(num_layers=args.layers, hidden=args.hidden, num_heads=16, vocab=32000, max_seqs=ceiling,
+                    max_len=128, max_tokens=ceiling)
     torch.manual_seed(0)
     model = ToyTransformer(cfg, "cuda", torch.bfloat16)
     model.k_cache.normal_(), model.v_cache.normal_()
@@ -78,7 +78,8 @@ def main() -> None:
     cov = measure_coverage(graphs, make_step(cfg, [(i, 64, 1) for i in range(8)]))
     result = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-        model=dict(layers=cfg.num_layers, hidden=cfg.hidden, heads=cfg.num_heads, vocab=cfg.vocab, context=64, dtype="bf16"),
+        model=dict(layers=cfg.num_layers, hidden=cfg.hidden, heads=cfg.num_heads, vocab=cfg.vocab, context=64,
+                   dtype="bf16"),
         validation_failures={str(k): v for k, v in graphs.failures.items()},
         total_capture_ms=graphs.stats.capture_ms, total_graph_mib=graphs.stats.memory_mib,
         coverage_decode8=cov.as_dict(), rows=rows,

@@ -87,7 +87,8 @@ def main() -> None:
     console = Console(width=None if sys.stdout.isatty() else 130)
     console.print(f"MiniMax-M3 {args.preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                   f"{config.num_attention_heads} q / {config.num_key_value_heads} kv heads, {config.num_local_experts} "
-                  f"experts; {args.device} {dtype}; attention {graphed.backend.describe()}; ops {graphed.model.ops.name}")
+                  f"experts; {args.device} {dtype}; attention {graphed.backend.describe()}; "
+                  f"ops {graphed.model.ops.name}")
     t0 = time.perf_counter()
     graphed.capture()
     failures = graphed.validate()
@@ -102,7 +103,8 @@ def main() -> None:
             eager.step([TokenChunk(i, start, prompt[start:start + args.prefill_chunk])])
     steps = {f"decode {n}": [TokenChunk(i, args.context, [int(torch.randint(0, vocab, (1,), generator=gen))])
                              for i in range(n)] for n in sizes}
-    mixed_prefill = TokenChunk(max_seqs - 1, args.context, torch.randint(0, vocab, (args.chunk,), generator=gen).tolist())
+    mixed_prefill = TokenChunk(max_seqs - 1, args.context,
+                               torch.randint(0, vocab, (args.chunk,), generator=gen).tolist())
     steps[f"mixed {max(sizes) - 1}+{args.chunk}"] = steps[f"decode {max(sizes)}"][:-1] + [mixed_prefill]
 
     rows = []
@@ -112,8 +114,8 @@ def main() -> None:
         out = run_again(graphed, chunks, all_logits=True).logits
         err = relative_error(out.float(), same_shapes.float())
         err_unpadded = relative_error(out.float(), ref.float())
-        e_ms = timed(lambda: run_again(eager, chunks), args.iters, cuda)
-        g_ms = timed(lambda: run_again(graphed, chunks), args.iters, cuda)
+        e_ms = timed(lambda chunks=chunks: run_again(eager, chunks), args.iters, cuda)
+        g_ms = timed(lambda chunks=chunks: run_again(graphed, chunks), args.iters, cuda)
         rows.append(dict(step=name, tokens=out.shape[0], eager_ms=e_ms, graphcap_ms=g_ms, speedup=e_ms / g_ms,
                          rel_err=err, rel_err_vs_unpadded=err_unpadded))
 

@@ -87,7 +87,8 @@ class CaptureConfig:
             not is_int(self.full_graph_max_tokens) or self.full_graph_max_tokens < 1
         ):
             raise ValueError(
-                f"CaptureConfig.full_graph_max_tokens must be a positive int or None, got {self.full_graph_max_tokens!r}"
+                "CaptureConfig.full_graph_max_tokens must be a positive int or None, "
+                f"got {self.full_graph_max_tokens!r}"
             )
         if self.buckets is not None:
             b = int_tuple("CaptureConfig.buckets", self.buckets)
@@ -140,7 +141,10 @@ class CaptureConfig:
                     updates[name] = int(raw)
             except ValueError:
                 what = {"buckets": "not a comma-separated list of ints"}.get(
-                    name, "not a boolean (use 1/0, true/false, yes/no, on/off)" if isinstance(current, bool) else "not an int")
+                    name,
+                    ("not a boolean (use 1/0, true/false, yes/no, on/off)" if isinstance(current, bool)
+                     else "not an int"),
+                )
                 raise ValueError(f"{var}={raw!r} is {what}") from None
         try:
             return replace(base, **updates)

@@ -34,7 +34,11 @@ _SYNC_OPS = {
     "aten.repeat_interleave",
 }
 
-_INTERNAL_PATHS = (os.sep + "torch" + os.sep, os.sep + "graphcap" + os.sep + "guard.py", os.sep + "graphcap" + os.sep + "segments.py")
+_INTERNAL_PATHS = (
+    os.sep + "torch" + os.sep,
+    os.sep + "graphcap" + os.sep + "guard.py",
+    os.sep + "graphcap" + os.sep + "segments.py",
+)
 
 
 class CaptureViolation(RuntimeError):

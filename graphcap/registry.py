@@ -47,7 +47,8 @@ class StorageRegistry:
         if name in self._sources:
             raise ValueError(f"a source named {name!r} is already registered")
         if not isinstance(source, (torch.Tensor, nn.Module, Mapping)) and not callable(source):
-            raise ValueError(f"cannot register {name!r}: expected a tensor, module, mapping or callable, got {type(source).__name__}")
+            raise ValueError(f"cannot register {name!r}: expected a tensor, module, mapping or callable, "
+                             f"got {type(source).__name__}")
         self._sources[name] = (source, mutable)
         if isinstance(source, nn.Module):
             self._module_ids.update({id(m): name for m in source.modules()})

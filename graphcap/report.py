@@ -161,7 +161,8 @@ def coverage_table(cov: Coverage, per_site: int = 8) -> Table:
     table.add_column("where")
     table.add_column(cov.unit, justify="right")
     table.add_column("time us", justify="right")
-    table.add_row("inside graphs" if cov.unit == "kernels" else "producer segments", str(cov.in_graphs), f"{cov.in_graphs_us:.1f}")
+    table.add_row("inside graphs" if cov.unit == "kernels" else "producer segments", str(cov.in_graphs),
+                  f"{cov.in_graphs_us:.1f}")
     table.add_row("eager", str(cov.eager), f"{cov.eager_us:.1f}")
     for site, names in sorted(cov.eager_by_site.items()):
         times = cov.eager_us_by_site[site]

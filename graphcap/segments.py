@@ -197,8 +197,8 @@ def frozen_gc() -> Iterator[None]:
 
 
 def capture_bucket(
-    forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding, pool: Any, stream: torch.cuda.Stream,
-    guard: bool = True,
+    forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding, pool: Any,
+    stream: torch.cuda.Stream, guard: bool = True,
 ) -> BreakableGraph:
     """Capture one bucket's forward (``padding.rows`` rows; a whole graph if
     ``padding.whole_graph``) on ``stream`` into ``pool``, producer code under the capture

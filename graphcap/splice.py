@@ -58,7 +58,8 @@ class Step:
         if not is_int(self.num_tokens) or self.num_tokens < 1:
             raise ValueError(f"Step.num_tokens must be a positive int, got {self.num_tokens!r}")
         if not is_int(self.num_seqs) or not 1 <= self.num_seqs <= self.num_tokens:
-            raise ValueError(f"Step.num_seqs must be an int in [1, num_tokens={self.num_tokens}], got {self.num_seqs!r}")
+            raise ValueError(f"Step.num_seqs must be an int in [1, num_tokens={self.num_tokens}], "
+                             f"got {self.num_seqs!r}")
         if self.uniform_decode and self.num_seqs != self.num_tokens:
             raise ValueError(f"a uniform decode step has one token per request; got {self.num_tokens} tokens for "
                              f"{self.num_seqs} requests")
@@ -179,7 +180,8 @@ def current_padding(what: str = "graphcap.current_padding()", skip_frames: int =
     return _state(what, skip_frames).padding
 
 
-def splice(name: str, *, graph_safe_decode: GraphSafety = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def splice(name: str, *,
+           graph_safe_decode: GraphSafety = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Declare a request-dependent op as a splice point.
 
     Args:

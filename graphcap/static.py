@@ -42,7 +42,8 @@ class InputSpec:
         if (self.buffer is None) == (self.pad_value is None):
             raise ValueError(f"InputSpec {self.name!r}: give a pad_value for an owned input, or an external buffer "
                              f"(whose owner pads it) with pad_value=None; not both, not neither")
-        if self.buffer is not None and (self.buffer.dtype != self.dtype or tuple(self.buffer.shape[1:]) != self.row_shape):
+        if self.buffer is not None and (self.buffer.dtype != self.dtype
+                                        or tuple(self.buffer.shape[1:]) != self.row_shape):
             raise ValueError(f"InputSpec {self.name!r}: external buffer {self.buffer.dtype} {tuple(self.buffer.shape)} "
                              f"does not match dtype {self.dtype} and row shape {self.row_shape}")
 
@@ -63,7 +64,8 @@ class StaticInputs:
     producers that must mask padded rows, e.g. MoE routing).
     """
 
-    def __init__(self, specs: list[InputSpec] | tuple[InputSpec, ...], max_tokens: int, device: torch.device | str) -> None:
+    def __init__(self, specs: list[InputSpec] | tuple[InputSpec, ...], max_tokens: int,
+                 device: torch.device | str) -> None:
         if not specs:
             raise ValueError("StaticInputs needs at least one InputSpec")
         names = [s.name for s in specs]
@@ -75,7 +77,8 @@ class StaticInputs:
         self.buffers: dict[str, torch.Tensor] = {}
         for s in specs:
             if s.buffer is None:
-                self.buffers[s.name] = torch.full((max_tokens, *s.row_shape), s.pad_value, dtype=s.dtype, device=self.device)
+                self.buffers[s.name] = torch.full((max_tokens, *s.row_shape), s.pad_value, dtype=s.dtype,
+                                                  device=self.device)
             elif s.buffer.shape[0] < max_tokens or s.buffer.device != self.device:
                 raise ValueError(f"external input {s.name!r} has {s.buffer.shape[0]} rows on {s.buffer.device}; "
                                  f"it needs >= {max_tokens} rows on {self.device}")
@@ -117,7 +120,8 @@ class StaticInputs:
         missing = set(self.buffers) - set(inputs)
         unknown = set(inputs) - set(self.buffers)
         if missing or unknown:
-            raise ValueError(f"step inputs do not match the static inputs: missing {sorted(missing)}, unknown {sorted(unknown)}")
+            raise ValueError(f"step inputs do not match the static inputs: missing {sorted(missing)}, "
+                             f"unknown {sorted(unknown)}")
         for name, t in inputs.items():
             spec = self.specs[name]
             want = (num_tokens, *spec.row_shape)
@@ -131,7 +135,8 @@ class StaticInputs:
         """Inputs for an unpadded eager run: the caller's tensors on the device, cast, plus the count."""
         self.check(inputs, num_tokens)
         out = {
-            name: t.to(device=self.device, dtype=self.specs[name].dtype, non_blocking=True) for name, t in inputs.items()
+            name: t.to(device=self.device, dtype=self.specs[name].dtype, non_blocking=True)
+            for name, t in inputs.items()
         }
         out[NUM_TOKENS_KEY] = torch.full((1,), num_tokens, dtype=torch.int64, device=self.device)
         return out

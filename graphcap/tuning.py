@@ -84,20 +84,38 @@ class KernelTuner:
         if not passing:
             raise RuntimeError(f"no candidate of {op} for {key!r} matches the reference: {choice.rejected}")
         for name in passing:
-            choice.timings_us[name] = self._time(candidates[name]) if self.time_candidates and len(passing) > 1 else None
+            choice.timings_us[name] = (
+                self._time(candidates[name]) if self.time_candidates and len(passing) > 1 else None
+            )
         timed = {n: t for n, t in choice.timings_us.items() if t is not None}
         choice.chosen = min(timed, key=timed.__getitem__) if timed else passing[0]
         self.choices[(op, key)] = choice
         return choice.chosen
 
     def _time(self, run: Callable[[], torch.Tensor]) -> float:
+        """Median GPU time of ``run`` in us, from CUDA-graph replays (the way the candidate will
+        run: timing eager launches would rank small-shape candidates by their host overhead);
+        eager launches when the candidate cannot be captured."""
         run()
+        torch.cuda.synchronize()
+        graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()  # allocator warm-up on the capture stream
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                run()
+        except RuntimeError:
+            graph = None
         times = []
         for _ in range(self.iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            run()
+            graph.replay() if graph is not None else run()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
+        del graph
         return statistics.median(times)

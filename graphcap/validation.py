@@ -50,7 +50,8 @@ def compare_outputs(eager: Any, graph: Any) -> list[str]:
     return problems
 
 
-def compare_state(before: Mapping[str, torch.Tensor], eager: Mapping[str, torch.Tensor], graph: Mapping[str, torch.Tensor]) -> list[str]:
+def compare_state(before: Mapping[str, torch.Tensor], eager: Mapping[str, torch.Tensor],
+                  graph: Mapping[str, torch.Tensor]) -> list[str]:
     """Problems in mutable state after a replay: writes eager did not make (padded rows
     writing the cache) and contents that differ from eager's."""
     problems = []
@@ -58,7 +59,8 @@ def compare_state(before: Mapping[str, torch.Tensor], eager: Mapping[str, torch.
         e, g = eager[name], graph[name]
         stray = ((g != b) & (e == b)).sum().item()
         if stray:
-            problems.append(f"{name}: graph wrote {stray} elements that eager left untouched (padded rows must write nothing)")
+            problems.append(f"{name}: graph wrote {stray} elements that eager left untouched "
+                            "(padded rows must write nothing)")
             continue
         ok, err = _close(g, e)
         if not ok:

@@ -159,7 +159,8 @@ class PagedKVCache:
             return self._sparse_ordinal[layer]
         except KeyError:
             raise ValueError(
-                f"layer {layer} is not a sparse layer (sparse_layers={self.config.sparse_layers}); it has no index-K cache"
+                f"layer {layer} is not a sparse layer (sparse_layers={self.config.sparse_layers}); "
+                "it has no index-K cache"
             ) from None
 
     def _check_seq(self, seq_id: Hashable) -> list[int]:

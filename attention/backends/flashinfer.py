@@ -88,7 +88,8 @@ def paged_kv_layout(kv_lens: torch.Tensor, num_rows: int, page_size: int) -> tup
     return indptr, last_page_len
 
 
-def gather_page_indices(indptr: torch.Tensor, seq_slots: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor) -> None:
+def gather_page_indices(indptr: torch.Tensor, seq_slots: torch.Tensor, block_tables: torch.Tensor,
+                        out: torch.Tensor) -> None:
     """Concatenated page ids of each request, gathered on the device from its block-table row.
 
     ``out[indptr[i] + j] = block_tables[seq_slots[i], j]`` for ``j < indptr[i+1] - indptr[i]``.
@@ -150,7 +151,8 @@ class FlashinferAttention(AttentionBackend):
         # A step's requests hold distinct pages, so a step never lists more than the pool
         # (warmup lists one page per decode row, hence the max).
         self._indices_buf = torch.zeros(max(c.num_pages, rows), dtype=torch.int32, device=device)
-        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace_buf, "NHD", backend=prefill_backend)
+        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace_buf, "NHD",
+                                                                     backend=prefill_backend)
         self._decode: dict[int, Any] = {}
         self._planned: _Plan | None = None
 
@@ -221,7 +223,8 @@ class FlashinferAttention(AttentionBackend):
             self._planned = _Plan(wrapper, rows)
         else:
             b = meta.num_seqs
-            self._prefill.plan(meta.qo_indptr_host, indptr[: b + 1], indices, last_page_len[:b], *dims, causal=True, **kw)
+            self._prefill.plan(meta.qo_indptr_host, indptr[: b + 1], indices, last_page_len[:b], *dims, causal=True,
+                               **kw)
             self._planned = _Plan(self._prefill, meta.num_tokens)
 
     def _dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
@@ -237,7 +240,8 @@ class FlashinferAttention(AttentionBackend):
         d = self.dims
         want = (d.num_qo_heads, d.head_dim)
         if q.dim() != 3 or tuple(q.shape[1:]) != want or out.shape != q.shape or q.shape[0] < p.rows:
-            raise ValueError(f"q and out must be [T >= {p.rows}, {want[0]}, {want[1]}]; got {tuple(q.shape)}, {tuple(out.shape)}")
+            raise ValueError(f"q and out must be [T >= {p.rows}, {want[0]}, {want[1]}]; "
+                             f"got {tuple(q.shape)}, {tuple(out.shape)}")
         if q.dtype != self.dtype or out.dtype != self.dtype:
             raise ValueError(f"q and out must be {self.dtype} (the cache dtype); got {q.dtype}, {out.dtype}")
         if q.stride(-1) != 1 or not out.is_contiguous():
@@ -264,7 +268,8 @@ class FlashinferAttention(AttentionBackend):
         self._indices_buf[:n].zero_()
         for b in sizes:
             w = self._decode[b]
-            w.plan(torch.arange(b + 1, dtype=torch.int32), self._indices_buf[:b], torch.ones(b, dtype=torch.int32), *dims, **kw)
+            w.plan(torch.arange(b + 1, dtype=torch.int32), self._indices_buf[:b], torch.ones(b, dtype=torch.int32),
+                   *dims, **kw)
             w.run(q[:b], kv, out=out[:b])
         one = torch.tensor([0, 1], dtype=torch.int32)
         self._prefill.plan(one, one, self._indices_buf[:1], one[1:], *dims, causal=True, **kw)

@@ -58,7 +58,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_heads(q: torch.Tensor, k_cache_l: torch.Tensor, out: torch.Tensor, num_tokens: int) -> None:
     """Shape checks shared by the attention references."""
     if q.dim() != 3 or k_cache_l.dim() != 4 or q.shape[2] != k_cache_l.shape[3]:
-        raise ValueError(f"need q [T, Hq, D] and a cache layer [P, page, Hkv, D]; got {tuple(q.shape)}, {tuple(k_cache_l.shape)}")
+        raise ValueError(f"need q [T, Hq, D] and a cache layer [P, page, Hkv, D]; "
+                         f"got {tuple(q.shape)}, {tuple(k_cache_l.shape)}")
     if q.shape[1] % k_cache_l.shape[2]:
         raise ValueError(f"num_qo_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache_l.shape[2]}")
     if out.shape[1:] != q.shape[1:] or min(out.shape[0], q.shape[0]) < num_tokens:

@@ -57,7 +57,8 @@ def sparse_attention_ref(
     if block_size != meta.page_size:
         raise ValueError(f"block_size={block_size} must equal the cache page_size={meta.page_size}")
     if topk_idx.shape[0] != k_cache_l.shape[2] or topk_idx.shape[1] < meta.num_tokens:
-        raise ValueError(f"topk_idx must be [Hkv={k_cache_l.shape[2]}, >= {meta.num_tokens}, topk], got {tuple(topk_idx.shape)}")
+        raise ValueError(f"topk_idx must be [Hkv={k_cache_l.shape[2]}, >= {meta.num_tokens}, topk], "
+                         f"got {tuple(topk_idx.shape)}")
     acc = acc_dtype(q.dtype)
     for q0, q1, length, row in meta.requests():
         k = paged_gather(k_cache_l, meta.block_tables, row, length).to(acc)

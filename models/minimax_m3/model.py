@@ -74,7 +74,8 @@ class M3Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        iq = torch.empty(t, self.num_index_heads, self.index_dim, dtype=x.dtype, device=x.device) if self.sparse else None
+        iq = (torch.empty(t, self.num_index_heads, self.index_dim, dtype=x.dtype, device=x.device) if self.sparse
+              else None)
         li.ops.norm_rope_write(self, qkv, li.positions, li.inv_freq, li.slot_mapping, li.cache, q, iq)
         # Rows the attention op leaves untouched (padding) must not carry garbage into o_proj.
         out = torch.zeros_like(q)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.nn.functional as F
 
 from graphcap.tuning import KernelTuner
 from kvcache.paged import PagedKVCache
@@ -73,7 +72,8 @@ def mlp_torch(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(swiglu_oai(gu[:, : mlp.inter], gu[:, mlp.inter :], mlp.alpha, mlp.limit))
 
 
-def _moe_torch(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None, grouped: bool) -> torch.Tensor:
+def _moe_torch(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None,
+               grouped: bool) -> torch.Tensor:
     ids, w = route(x, moe.gate.weight, moe.e_score_correction_bias, moe.top_k, moe.scale, num_real_tokens)
     routed = moe.routed_grouped(x, ids, w) if grouped else moe.routed_loop(x, ids, w)
     return (routed + mlp_torch(moe.shared_experts, x).float()).to(x.dtype)
@@ -94,7 +94,8 @@ def norm_rope_write_triton(attn: M3Attention, qkv: torch.Tensor, positions: torc
                            iq_out: torch.Tensor | None) -> None:
     """The fused Triton producer: one launch for norms, RoPE and every cache write."""
     index = dict(index_q_norm=attn.index_q_norm.weight, index_k_norm=attn.index_k_norm.weight,
-                 index_k_cache=cache.index_k_cache[cache.sparse_index(attn.layer)], iq_out=iq_out) if attn.sparse else {}
+                 index_k_cache=cache.index_k_cache[cache.sparse_index(attn.layer)],
+                 iq_out=iq_out) if attn.sparse else {}
     norm_rope_cache_write(qkv, positions, slot_mapping, attn.layout, inv_freq, attn.q_norm.weight, attn.k_norm.weight,
                           cache.k_cache[attn.layer], cache.v_cache[attn.layer], q_out=q_out, **index)
 
@@ -187,7 +188,8 @@ class FusedMoE:
             return fused_moe_torch(x, ids, w, moe.experts.w13, moe.experts.w2, sh.gate_up_proj.weight,
                                    sh.down_proj.weight, moe.alpha, moe.limit, out)
 
-        name = self.tuner.choose("moe", num_tokens, candidates, reference, tol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+        name = self.tuner.choose("moe", num_tokens, candidates, reference,
+                                 tol=2e-2 if dtype == torch.bfloat16 else 1e-4)
         self._configs[num_tokens] = by_name[name]
 
 

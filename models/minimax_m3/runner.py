@@ -259,7 +259,8 @@ def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = 
     return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
 
 
-def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str = "cpu",
+                          dtype: torch.dtype | None = None,
                           *, num_layers: int | None = None, backend: str = "torch", max_tokens: int = 512,
                           max_seqs: int = 8, max_seq_len: int = 4096, num_pages: int | None = None,
                           moe_impl: str = "auto", producer: str = "auto",

@@ -186,7 +186,8 @@ def _capped(errors: dict[str, list[str]]) -> list[str]:
     return out
 
 
-def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *, truncate_layers: bool = False) -> LoadReport:
+def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *,
+                    truncate_layers: bool = False) -> LoadReport:
     """Load a checkpoint into ``model`` in place (strict; see the module docstring).
 
     Args:
@@ -225,7 +226,8 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *, t
             ign_v += 1
             continue
         if not full_key.startswith(prefix):
-            error("unexpected", f"unexpected key {full_key!r} (text keys need the prefix {prefix!r} for this config.json)")
+            error("unexpected", f"unexpected key {full_key!r} "
+                                f"(text keys need the prefix {prefix!r} for this config.json)")
             continue
         key = full_key[len(prefix):]
         if key.startswith(MTP_PREFIX):

@@ -69,7 +69,8 @@ class ToyAttention:
         self.real_tokens = n
 
     @splice("toy.attention", graph_safe_decode=True)
-    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor) -> None:
         """q, out: [T, H, Dh]; k_cache, v_cache: [max_seqs + 1, max_len, H, Dh] of this layer."""
         if self.record:
             self.calls.append((layer, self.real_tokens))

@@ -147,7 +147,8 @@ def test_reference_argument_errors():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         dense_attention_ref(sc.q.float()[:, :3], sc.cache.k_cache[0], sc.cache.v_cache[0], sc.meta, out[:, :3], 1.0)
     with pytest.raises(ValueError, match="page_size"):
-        index_topk_ref(sc.iq.float(), sc.cache.index_k_cache[0], sc.meta, 2, 8, torch.empty(2, sc.T, 2, dtype=torch.int32))
+        index_topk_ref(sc.iq.float(), sc.cache.index_k_cache[0], sc.meta, 2, 8,
+                       torch.empty(2, sc.T, 2, dtype=torch.int32))
 
 
 # ---- backend ---------------------------------------------------------------------------

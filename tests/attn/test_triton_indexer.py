@@ -148,7 +148,8 @@ IDX_PTRS = dict(bt_ptr="i32", seq_slots_ptr="i32", token_seq_ptr="i32", pos_ptr=
 def test_kernels_compile_for_hopper():
     def partial(bt, h, chunk, di=128, bn=128, f32=False):
         bm = max(16, 1 << (bt * h - 1).bit_length())
-        c = dict(HIDX=h, DI=di, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=di, CHUNK=chunk, KP=min(15, chunk), DOT_F32=f32)
+        c = dict(HIDX=h, DI=di, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=di, CHUNK=chunk, KP=min(15, chunk),
+                 DOT_F32=f32)
         ptrs = dict(IDX_PTRS, **({"iq_ptr": "fp32", "ik_ptr": "fp32"} if f32 else {}))
         return ["attention.kernels.indexer", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8, 3]
 

@@ -1,3 +1,4 @@
+import dataclasses
 import warnings
 
 import pytest
@@ -92,7 +93,7 @@ def test_padding_is_one_decision_with_checked_invariants():
 
 def test_config_is_frozen():
     cfg = CaptureConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.enabled = True
 
 

@@ -1,5 +1,7 @@
 """The manager on CPU: debug-eager path, splice ordering, guard errors, fallback counting."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ CFG = ToyConfig(num_layers=2, hidden=32, num_heads=4, vocab=64, max_seqs=6, max_
 def toy_manager(config: CaptureConfig, seed: int = 0):
     torch.manual_seed(seed)
     model = ToyTransformer(CFG)
-    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cpu"), config, prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG))
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cpu"), config, prepare=toy_prepare(model),
+                             dummy_step=toy_dummy_step(CFG))
     manager.register("model", model)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     return model, manager
@@ -26,7 +29,8 @@ def reference_logits(model, step):
         return model.forward({**step.inputs, "num_real_tokens": torch.tensor([step.num_tokens])})
 
 
-@pytest.mark.parametrize("chunks", [[(0, 0, 5)], [(0, 0, 7), (1, 0, 3)], [(2, 4, 1), (3, 9, 1), (4, 0, 1)], [(0, 0, 32)]])
+@pytest.mark.parametrize("chunks", [[(0, 0, 5)], [(0, 0, 7), (1, 0, 3)], [(2, 4, 1), (3, 9, 1), (4, 0, 1)],
+                                    [(0, 0, 32)]])
 def test_debug_eager_matches_plain_eager(chunks):
     model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32))
     g = torch.Generator().manual_seed(len(chunks))
@@ -117,7 +121,8 @@ def test_metadata_read_outside_splice_is_an_error():
     model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32))
     orig = model.norm.forward
     model.norm.forward = lambda x: orig(x) + 0 * len(current_step().metadata.positions)
-    with pytest.raises(RuntimeError, match=r"current_step\(\) was read by captured producer code at .*test_manager_cpu.py"):
+    with pytest.raises(RuntimeError,
+                       match=r"current_step\(\) was read by captured producer code at .*test_manager_cpu.py"):
         manager.run(make_step(CFG, [(0, 0, 4)]))
 
 
@@ -180,7 +185,7 @@ def test_one_padding_decision_reaches_prepare_and_the_splices():
 
 def test_step_is_frozen_and_validated():
     step = make_step(CFG, [(0, 0, 2)])
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         step.uniform_decode = True
     with pytest.raises(TypeError):
         step.inputs["input_ids"] = torch.zeros(2)

@@ -17,7 +17,8 @@ def build(config: CaptureConfig, forward=None, seed=0):
     torch.manual_seed(seed)
     model = ToyTransformer(CFG, "cuda", torch.bfloat16)
     manager = CaptureManager(
-        forward or model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG)
+        forward or model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model),
+        dummy_step=toy_dummy_step(CFG)
     )
     manager.register("model", model)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
@@ -27,7 +28,8 @@ def build(config: CaptureConfig, forward=None, seed=0):
 def eager_of(model, step):
     """Plain eager logits for a step, with the cache restored afterwards."""
     k, v = model.k_cache.clone(), model.v_cache.clone()
-    ref_manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), CaptureConfig(max_tokens=CFG.max_tokens), prepare=toy_prepare(model))
+    ref_manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"),
+                                 CaptureConfig(max_tokens=CFG.max_tokens), prepare=toy_prepare(model))
     out = ref_manager.run(step).clone()
     kk, vv = model.k_cache.clone(), model.v_cache.clone()
     model.k_cache.copy_(k), model.v_cache.copy_(v)
@@ -112,7 +114,8 @@ def test_validation_drops_bad_producers(kind):
         return dummy(bucket, full)
 
     config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4, 8))
-    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model), dummy_step=dummy)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model),
+                             dummy_step=dummy)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     manager.capture()
     failures = manager.validate(sample)
@@ -135,7 +138,8 @@ def test_padded_rows_writing_the_cache_fail_validation():
     model._write_cache = lambda layer, slots, k, v: orig(layer, slots.clamp(min=0), k, v)
     dummy = toy_dummy_step(CFG)
     config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(8,), full_graph_decode=False)
-    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model), dummy_step=dummy)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model),
+                             dummy_step=dummy)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     manager.capture()
     failures = manager.validate(lambda b, f: make_step(CFG, [(3, 0, 5)]))
@@ -178,7 +182,8 @@ def test_reallocated_weight_triggers_recapture_never_a_stale_read():
 
 
 def test_reassigned_parameter_and_moved_cache_are_detected():
-    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,), recapture_on_invalidation=False))
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,),
+                                         recapture_on_invalidation=False))
     manager.capture()
     step = make_step(CFG, [(0, 0, 3)])
     manager.run(step)
@@ -197,13 +202,15 @@ def test_reassigned_parameter_and_moved_cache_are_detected():
 def test_buckets_share_one_pool():
     buckets = BUCKETS
     torch.cuda.synchronize()
-    model, shared = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=buckets, full_graph_decode=False))
+    model, shared = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=buckets,
+                                        full_graph_decode=False))
     shared.capture()
     shared_mib = shared.stats.memory_mib
     separate = []
     for b in buckets:
         m = CaptureManager(
-            model.forward, toy_static_inputs(CFG, "cuda"), CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(b,), full_graph_decode=False),
+            model.forward, toy_static_inputs(CFG, "cuda"),
+            CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(b,), full_graph_decode=False),
             prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG),
         )
         m.capture()
@@ -231,9 +238,12 @@ def test_adjacent_splices_and_non_graph_safe_splice_skip_full_graph():
         host_side(tmp, out)  # adjacent splice: an empty segment between them
         return out * 2
 
-    manager = CaptureManager(forward, toy_static_inputs(CFG, "cuda"), CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)), prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG))
+    manager = CaptureManager(forward, toy_static_inputs(CFG, "cuda"),
+                             CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)),
+                             prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG))
     manager.capture()
-    assert manager.stats.bucket(4, True).status == "skipped" and "test.host_loop" in manager.stats.bucket(4, True).reason
+    assert (manager.stats.bucket(4, True).status == "skipped"
+            and "test.host_loop" in manager.stats.bucket(4, True).reason)
     step = make_step(CFG, [(0, 5, 1), (1, 6, 1)])
     calls.clear()
     out = manager.run(step)

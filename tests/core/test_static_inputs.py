@@ -10,7 +10,8 @@ def P(n, rows):  # noqa: N802 - a segmented padding of n tokens (one request) in
 
 def make(max_tokens=16):
     return StaticInputs(
-        [InputSpec("ids", torch.int64, 0), InputSpec("slots", torch.int64, -1), InputSpec("emb", torch.float32, 0.5, (3,))],
+        [InputSpec("ids", torch.int64, 0), InputSpec("slots", torch.int64, -1),
+         InputSpec("emb", torch.float32, 0.5, (3,))],
         max_tokens,
         "cpu",
     )

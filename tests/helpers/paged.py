@@ -85,7 +85,8 @@ class PagedScenario:
         return paged_gather(cache_l, self.cache.block_tables, self.cache.seq_slot(seq), length).double()
 
     def poisoned_out(self, rows: int | None = None) -> torch.Tensor:
-        return torch.full((rows or self.q.shape[0], self.hq, self.d), float("nan"), dtype=self.dtype, device=self.device)
+        return torch.full((rows or self.q.shape[0], self.hq, self.d), float("nan"), dtype=self.dtype,
+                          device=self.device)
 
     def step(self, uniform_decode: bool | None = None) -> Step:
         """The step object of the planned metadata (``uniform_decode``: every chunk one token)."""

@@ -64,7 +64,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
             sig[name] = "fp32" if name in float_args else "i32"
         if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_bt") or name == "page_size":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

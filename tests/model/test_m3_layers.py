@@ -42,7 +42,8 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, rd: int, theta: float) -> torch
     half = rd // 2
     inv = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rd)
     ang = pos.double()[:, None] * inv[None]
-    z = torch.complex(x[..., :half].double(), x[..., half:rd].double()) * torch.polar(torch.ones_like(ang), ang)[:, None]
+    z = (torch.complex(x[..., :half].double(), x[..., half:rd].double())
+         * torch.polar(torch.ones_like(ang), ang)[:, None])
     return torch.cat([z.real, z.imag, x[..., rd:].double()], dim=-1)
 
 
@@ -173,7 +174,7 @@ class MoE:
 def make_moe(e: int, local: int, k: int, dtype=torch.float32, impl="auto", seed=0) -> MoE:
     g = gen(seed)
     m = BlockSparseMoE(32, e, local, k, 16, 24, 2.0, 1.702, 7.0, dtype).requires_grad_(False)
-    for name, p in m.named_parameters():
+    for _name, p in m.named_parameters():
         std = 0.3 if p.dim() == 1 else p.shape[-1] ** -0.5 * 2
         p.data.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
     return MoE(m, impl)

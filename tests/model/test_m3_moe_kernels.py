@@ -36,16 +36,16 @@ class Problem:
     Weights are scaled so gate/up products reach past ``limit`` (the clamps are exercised).
     """
 
-    def __init__(self, T, H, I, Is, E, K, seed, dtype, dev=DEV, scale=4.0):
+    def __init__(self, T, H, inter, Is, E, K, seed, dtype, dev=DEV, scale=4.0):
         g = torch.Generator(device=dev).manual_seed(seed)
 
         def r(*shape, std=1.0):
             return (std * torch.randn(shape, generator=g, device=dev)).to(dtype)
 
-        self.T, self.H, self.I, self.Is, self.E, self.K, self.dtype = T, H, I, Is, E, K, dtype
+        self.T, self.H, self.inter, self.Is, self.E, self.K, self.dtype = T, H, inter, Is, E, K, dtype
         self.x = r(T, H)
-        self.w13 = r(E, 2 * I, H, std=scale * H**-0.5)
-        self.w2 = r(E, H, I, std=I**-0.5)
+        self.w13 = r(E, 2 * inter, H, std=scale * H**-0.5)
+        self.w2 = r(E, H, inter, std=inter**-0.5)
         self.sgu = r(2 * Is, H, std=scale * H**-0.5)
         self.sd = r(H, Is, std=Is**-0.5)
         pref = torch.ones(2 * E, device=dev)
@@ -78,12 +78,12 @@ class Problem:
             for k in range(self.K):
                 e = ids[t][k]
                 if 0 <= e < self.E:
-                    out[t] += w[t, k] * ffn(self.w13[e], self.w2[e], self.I, x[t])
+                    out[t] += w[t, k] * ffn(self.w13[e], self.w2[e], self.inter, x[t])
             out[t] += ffn(self.sgu, self.sd, self.Is, x[t])
         return out
 
 
-SMALL = {"H": 64, "I": 32, "Is": 48, "K": 2}  # Is > I: the shared expert has more N-tiles than a routed one
+SMALL = {"H": 64, "inter": 32, "Is": 48, "K": 2}  # Is > inter: the shared expert has more N-tiles than a routed one
 CASES = [(1, 4), (3, 6), (17, 8)]  # (T, E)
 
 
@@ -140,13 +140,13 @@ def test_torch_twin_matches_fp64(T, E, dtype):
 def test_torch_twin_matches_block_sparse_moe(dtype):
     """fused_moe_torch on a BlockSparseMoE's weights and local ids == its routed_loop + shared
     expert (which rounds the gate/up and down products to x.dtype: a bf16-sized difference)."""
-    H, I, Is, G, E, K, T, offset = 64, 32, 48, 16, 4, 2, 19, 4
+    H, inter, Is, G, E, K, T, offset = 64, 32, 48, 16, 4, 2, 19, 4
     torch.manual_seed(5)
-    m = BlockSparseMoE(H, G, E, K, I, Is, scale=2.0, alpha=ALPHA, limit=LIMIT, dtype=dtype, device=DEV,
+    m = BlockSparseMoE(H, G, E, K, inter, Is, scale=2.0, alpha=ALPHA, limit=LIMIT, dtype=dtype, device=DEV,
                        expert_offset=offset)
     with torch.no_grad():
         sh = m.shared_experts
-        for p, std in ((m.gate.weight, 1.0), (m.experts.w13, 4 * H**-0.5), (m.experts.w2, I**-0.5),
+        for p, std in ((m.gate.weight, 1.0), (m.experts.w13, 4 * H**-0.5), (m.experts.w2, inter**-0.5),
                        (sh.gate_up_proj.weight, 4 * H**-0.5), (sh.down_proj.weight, Is**-0.5)):
             p.copy_(std * torch.randn(p.shape))
         m.e_score_correction_bias.zero_()[offset : offset + E] = 0.4  # favour the local experts
@@ -258,7 +258,7 @@ def test_kernels_compile_for_hopper():
 
 
 def real_problem(T, seed):
-    return Problem(T, E=REAL["E"], seed=seed, dtype=torch.bfloat16, H=REAL["H"], I=REAL["I"], Is=REAL["Is"],
+    return Problem(T, E=REAL["E"], seed=seed, dtype=torch.bfloat16, H=REAL["H"], inter=REAL["I"], Is=REAL["Is"],
                    K=REAL["K"], scale=1.0)
 
 

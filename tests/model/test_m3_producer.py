@@ -32,7 +32,8 @@ def norm_rope_cache_write_torch(qkv, positions, slot_mapping, layout, inv_freq, 
     v_cache[pages, offs] = r.v[live].to(v_cache.dtype)
     if L.has_index:
         index_k_cache[pages, offs] = r.ik[live].to(index_k_cache.dtype)
-        dst = iq_out if iq_out is not None else qkv[:, L.iq_offset : L.ik_offset].view(T, L.num_index_heads, L.index_dim)
+        dst = (iq_out if iq_out is not None
+               else qkv[:, L.iq_offset : L.ik_offset].view(T, L.num_index_heads, L.index_dim))
         dst.copy_(r.iq)
     (q_out if q_out is not None else qkv[:, : L.k_offset].view(T, L.num_q_heads, L.head_dim)).copy_(r.q)
 
@@ -73,7 +74,8 @@ class Inputs:
         qo = torch.full((T, L.num_q_heads, L.head_dim), float("nan"), dtype=self.dtype, device=DEV) if q_out else None
         io = (torch.full((T, L.num_index_heads, L.index_dim), float("nan"), dtype=self.dtype, device=DEV)
               if iq_out else None)
-        idx = dict(index_q_norm=self.index_q_norm, index_k_norm=self.index_k_norm, index_k_cache=ic) if L.has_index else {}
+        idx = (dict(index_q_norm=self.index_q_norm, index_k_norm=self.index_k_norm, index_k_cache=ic) if L.has_index
+               else {})
         fn(qkv, self.positions, self.slot_mapping, L, self.inv_freq, self.q_norm, self.k_norm, kc, vc,
            q_out=qo, iq_out=io, **idx)
         return qkv, qo, io, kc, vc, ic
@@ -142,7 +144,8 @@ def test_torch_twin_matches_spec():
         s = int(x.slot_mapping[t])
         if s < 0:
             continue
-        k1 = spec_norm_rope(x.qkv[t, L.k_offset + L.head_dim : L.v_offset].cpu(), x.k_norm.cpu(), p, L.rotary_dim, L.eps)
+        k1 = spec_norm_rope(x.qkv[t, L.k_offset + L.head_dim : L.v_offset].cpu(), x.k_norm.cpu(), p, L.rotary_dim,
+                            L.eps)
         torch.testing.assert_close(kc[s // ps, s % ps, 1].double().cpu(), k1, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(vc[s // ps, s % ps].flatten().cpu(), x.qkv[t, L.v_offset : L.iq_offset].cpu())
         ik = spec_norm_rope(x.qkv[t, L.ik_offset :].cpu(), x.index_k_norm.cpu(), p, L.rotary_dim, L.eps)

@@ -215,11 +215,23 @@ def test_router_config_spreads_the_weight_read():
     E, H, sms = 128, 6144, 132
     for T in (1, 2, 8, 32, 64, 1054):
         c = rk.router_config(T, E, H, sms)
+        assert c.cublas == (T >= rk.CUBLAS_MIN_TOKENS and DEV == "cuda")  # the interpreter keeps the Triton GEMV
+        if c.cublas:
+            continue
         programs = -(-E // c.block_e) * c.splits * -(-T // c.block_t)
         assert programs >= 96, (T, c)
         assert c.splits * c.h_per_split >= H and c.h_per_split % c.block_h == 0
         assert c.block_t in (1, 16, 32, 64)
-    assert rk.router_config(1054, E, H, sms).block_t == 64
+
+
+def test_cublas_logits_path_matches_fp64():
+    """Prefill-sized steps take their fp32 logits from one cuBLAS SGEMM, then the same top-k kernel."""
+    H, E, K, T = 96, 16, 4, 33
+    case = RouteCase(T, H, E, seed=77)
+    cfg = rk.RouterConfig(block_t=16, block_e=16, block_h=16, h_per_split=H, splits=1, gemv_warps=4, topk_warps=1,
+                          cublas=True)
+    got = case.run(rk.route_triton, K, 2.0, T - 3, 4, 8, config=cfg)
+    check_route(got, case.ref(K, 2.0, T - 3, 4, 8), K)
 
 
 # --------------------------------------------------------------------------------------------

@@ -234,7 +234,8 @@ def test_producer_reading_step_metadata_raises_naming_the_read():
     orig = layer.self_attn.o_proj.forward
     layer.self_attn.o_proj.forward = lambda x: orig(x) * (1 + 0 * r.backend.meta.num_tokens)
     r.add_request("a")
-    with pytest.raises(RuntimeError, match=r"AttentionBackend.meta was read by captured producer code at .*test_m3_runner"):
+    with pytest.raises(RuntimeError,
+                       match=r"AttentionBackend.meta was read by captured producer code at .*test_m3_runner"):
         r.step([TokenChunk("a", 0, [1, 2, 3])])
     assert r.num_tokens("a") == 0  # the failed step did not advance the request
 
@@ -279,7 +280,8 @@ def test_fused_triton_producer_matches_torch_producer():
     the torch producer's logits and cache contents."""
     runs = {}
     for producer in ("torch", "triton"):
-        r = build_from_preset("tiny", "cpu", torch.float32, producer=producer, max_tokens=32, max_seqs=2, max_seq_len=64)
+        r = build_from_preset("tiny", "cpu", torch.float32, producer=producer, max_tokens=32, max_seqs=2,
+                              max_seq_len=64)
         assert r.model.ops.name.startswith(producer)
         r.add_request(0)
         g = torch.Generator().manual_seed(3)
@@ -320,8 +322,9 @@ def test_fused_moe_validates_its_configuration_and_rejects_a_corrupt_candidate()
     r.add_request("a")
     r.step([TokenChunk("a", 0, [1, 2, 3, 4, 5])])  # unpadded eager: the 5-row choice is the one used
     assert set(ops.tuner.choices) == {("moe", 5)}
-    from graphcap.report import choices_table
     from rich.console import Console
+
+    from graphcap.report import choices_table
 
     console = Console(record=True, width=200)
     console.print(choices_table(ops.tuner.choices))

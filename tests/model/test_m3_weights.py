@@ -93,10 +93,12 @@ def test_round_trip_exact(ckpt):
     fused = torch.cat([w[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")])
     assert torch.equal(sd[a + "qkv_proj.weight"], fused)
     a0 = "model.layers.0.self_attn."
-    assert torch.equal(sd[a0 + "qkv_proj.weight"], torch.cat([w[a0 + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(sd[a0 + "qkv_proj.weight"],
+                       torch.cat([w[a0 + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")]))
     e = "model.layers.3.block_sparse_moe."
     for i in range(c.num_local_experts):
-        assert torch.equal(sd[e + "experts.w13"][i], torch.cat([w[f"{e}experts.{i}.w1.weight"], w[f"{e}experts.{i}.w3.weight"]]))
+        assert torch.equal(sd[e + "experts.w13"][i],
+                           torch.cat([w[f"{e}experts.{i}.w1.weight"], w[f"{e}experts.{i}.w3.weight"]]))
         assert torch.equal(sd[e + "experts.w2"][i], w[f"{e}experts.{i}.w2.weight"])
     assert torch.equal(sd[e + "shared_experts.gate_up_proj.weight"],
                        torch.cat([w[e + "shared_experts.gate_proj.weight"], w[e + "shared_experts.up_proj.weight"]]))
@@ -104,7 +106,8 @@ def test_round_trip_exact(ckpt):
     assert torch.equal(sd[e + "e_score_correction_bias"], w[e + "e_score_correction_bias"])
     assert torch.equal(sd["model.layers.0.mlp.gate_up_proj.weight"],
                        torch.cat([w["model.layers.0.mlp.gate_proj.weight"], w["model.layers.0.mlp.up_proj.weight"]]))
-    for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", a + "index_k_norm.weight", a + "o_proj.weight"):
+    for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", a + "index_k_norm.weight",
+              a + "o_proj.weight"):
         assert torch.equal(sd[k], w[k])
 
 

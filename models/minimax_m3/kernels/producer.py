@@ -123,7 +123,8 @@ class NormRoped(NamedTuple):
 
 
 def norm_rope_torch(qkv: Tensor, positions: Tensor, layout: QKVLayout, inv_freq: Tensor, q_norm: Tensor,
-                    k_norm: Tensor, index_q_norm: Tensor | None = None, index_k_norm: Tensor | None = None) -> NormRoped:
+                    k_norm: Tensor, index_q_norm: Tensor | None = None,
+                    index_k_norm: Tensor | None = None) -> NormRoped:
     """Plain-torch twin of the kernel's maths (fp32 throughout, one rounding at the store).
 
     The caller writes k, v (and ik) with ``PagedKVCache.write``, whose slot ``-1`` rows land
@@ -139,7 +140,8 @@ def norm_rope_torch(qkv: Tensor, positions: Tensor, layout: QKVLayout, inv_freq:
     v = heads(L.v_offset, L.num_kv_heads, L.head_dim)
     iq = ik = None
     if L.has_index:
-        iq = _norm_rope_torch(heads(L.iq_offset, L.num_index_heads, L.index_dim), index_q_norm, positions, inv_freq, L.eps)
+        iq = _norm_rope_torch(heads(L.iq_offset, L.num_index_heads, L.index_dim), index_q_norm, positions, inv_freq,
+                              L.eps)
         ik = _norm_rope_torch(heads(L.ik_offset, 1, L.index_dim), index_k_norm, positions, inv_freq, L.eps)[:, 0]
     return NormRoped(q, k, v, iq, ik)
 

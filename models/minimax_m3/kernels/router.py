@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.triton_utils import check_device, next_pow2, num_sms
+from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms
 from models.minimax_m3.layers import route
 
 Tensor = torch.Tensor
@@ -62,6 +62,12 @@ class RouterConfig:
     splits: int
     gemv_warps: int
     topk_warps: int
+    cublas: bool = False  # logits from one cuBLAS SGEMM (true fp32) instead of the Triton GEMV
+
+#: From this many tokens the logits come from cuBLAS: the GEMM is then compute-bound in fp32
+#: (1.7 GFLOP at 1054 tokens), where the Triton FMA dot measured 318 us per layer on an H200
+#: against ~50 us for cuBLAS SGEMM (tf32 stays off: ``torch.backends.cuda.matmul.allow_tf32``).
+CUBLAS_MIN_TOKENS = 128
 
 
 def router_config(T: int, E: int, H: int, sms: int) -> RouterConfig:
@@ -87,6 +93,9 @@ def router_config(T: int, E: int, H: int, sms: int) -> RouterConfig:
     partials = max(2, next_pow2(splits)) * max(2, next_pow2(E))  # one top-k program's tile
     # 8 warps for the 64 x 64 token tile: at 4 warps its fp32 FMA dot spills a few registers.
     # Top-k: <= 32 partials per thread, all loaded at once.
+    if T >= CUBLAS_MIN_TOKENS and not interpreting():
+        return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=H, splits=1, gemv_warps=4,
+                            topk_warps=1, cublas=True)
     return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=h_per, splits=splits,
                         gemv_warps=8 if bt * be >= 4096 else 4, topk_warps=max(1, min(8, partials // 1024)))
 
@@ -258,13 +267,19 @@ def route_triton(
         return
     cfg = config or router_config(T, E, H, num_sms(x.device))
     _check_config(cfg, H)
-    part = torch.empty((cfg.splits, T, E), dtype=torch.float32, device=x.device)
-    grid1 = (triton.cdiv(T, cfg.block_t), cfg.splits, triton.cdiv(E, cfg.block_e))
-    _router_logits_kernel[grid1](
-        x, x.stride(0), gate_weight, part, T,
-        E=E, H=H, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, H_PER_SPLIT=cfg.h_per_split,
-        num_warps=cfg.gemv_warps, num_stages=3,
-    )
+    if cfg.cublas:  # one fp32 GEMM (plus the upcast of x): the logits are the single "partial"
+        if torch.backends.cuda.matmul.allow_tf32:
+            raise RuntimeError("route_triton's cuBLAS path needs true fp32: torch.backends.cuda.matmul.allow_tf32 is "
+                               "on, which would round the router logits to tf32 and flip near-tied experts")
+        part = torch.nn.functional.linear(x.float(), gate_weight).unsqueeze(0)
+    else:
+        part = torch.empty((cfg.splits, T, E), dtype=torch.float32, device=x.device)
+        grid1 = (triton.cdiv(T, cfg.block_t), cfg.splits, triton.cdiv(E, cfg.block_e))
+        _router_logits_kernel[grid1](
+            x, x.stride(0), gate_weight, part, T,
+            E=E, H=H, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, H_PER_SPLIT=cfg.h_per_split,
+            num_warps=cfg.gemv_warps, num_stages=3,
+        )
     nrt = num_real_tokens if num_real_tokens is not None else local_ids_out  # any pointer: unused
     glob = global_ids_out if global_ids_out is not None else local_ids_out
     _router_topk_kernel[(T,)](
