@@ -274,16 +274,18 @@ class CaptureManager:
                                f"call CaptureManager.capture() again")
         return True
 
-    def run(self, step: Step) -> Any:
+    def run(self, step: Step, fresh: bool = False) -> Any:
         """Run one step: replay its bucket's graph, or eagerly through the same code.
 
         Returns the forward's output with ``step.num_tokens`` rows (a view into graph memory
         when replayed: consume it before the next step). A due (re)capture runs first: when the
         step's inputs live in buffers the dummy steps of a capture rewrite (persistent metadata),
-        call ``ensure_fresh()`` before building the step.
+        call ``ensure_fresh()`` before building the step, and pass ``fresh=True`` here to skip the
+        second check (it walks every registered tensor).
         """
         n = step.num_tokens
-        self.ensure_fresh()
+        if not fresh:
+            self.ensure_fresh()
         padding, key = self._decide(step)
         if key is None:
             self._count_eager(step)

@@ -193,7 +193,7 @@ class M3Runner:
         finally:
             self.release_dummies()
         step = self.make_step(chunks)
-        hidden = self.manager.run(step)
+        hidden = self.manager.run(step, fresh=True)
         out = self.sample(hidden, step, all_logits)
         for ch in chunks:
             self.cache.set_written(ch.seq_id, ch.end_pos)

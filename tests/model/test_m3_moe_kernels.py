@@ -106,11 +106,8 @@ def test_kernels_pair_bookkeeping():
     pb.w[2] = torch.tensor([0.5, 0.7], device=DEV)
     T, K, E = pb.T, pb.K, pb.E
     P = T * K
-    off = torch.empty(E + 2, dtype=torch.int32, device=DEV)
-    sp = torch.full((P + T,), -7, dtype=torch.int32, device=DEV)
-    pos = torch.full((P + T,), -7, dtype=torch.int32, device=DEV)
     moe.check_device("test", pb.x)
-    moe._moe_align_kernel[(1,)](pb.ids, off, sp, pos, T, K=K, E=E, E_PAD=8, CHUNK=16)
+    off, sp, pos = moe.moe_align(pb.ids, E, chunk=16)  # 34 pairs: three chunks, ranks carried across them
     flat = pb.ids.flatten().long().cpu()
     counts = torch.bincount(flat[flat >= 0], minlength=E)
     want_off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0), counts.sum()[None] + T])
@@ -220,8 +217,8 @@ def test_configs_and_errors():
 # ---- compile for Hopper at the real rank-of-8 shapes ----------------------------------------
 
 MOE = "models.minimax_m3.kernels.moe"
-MOE_PTRS = {"ids_ptr": "i32", "off_ptr": "i32", "sorted_ptr": "i32", "pos_ptr": "i32", "topk_w_ptr": "fp32",
-            "y_ptr": "fp32"}
+MOE_PTRS = {"ids_ptr": "i32", "hist_ptr": "i32", "off_ptr": "i32", "sorted_ptr": "i32", "pos_ptr": "i32",
+            "topk_w_ptr": "fp32", "y_ptr": "fp32"}
 REAL = {"H": 6144, "I": 3072, "Is": 384, "E": 16, "K": 4}
 
 
@@ -240,15 +237,17 @@ def moe_compile_cases(cfg, even=True):
 
 def test_kernels_compile_for_hopper():
     configs = moe.moe_config_candidates(1) + moe.moe_config_candidates(1054)  # defaults: [0] and [4]
-    cases = [[MOE, "_moe_align_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 512}, MOE_PTRS, [], 16, 1],
-             [MOE, "_moe_align_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 16}, MOE_PTRS, [], 4, 1],
+    align = {"K": 4, "E": 16, "E_PAD": 16, "NB_PAD": 32, "CHUNK": 256}
+    cases = [[MOE, "_moe_count_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 256}, MOE_PTRS, [], 8, 1],
+             [MOE, "_moe_align_kernel", align, MOE_PTRS, [], 8, 1],
+             [MOE, "_moe_align_kernel", dict(align, NB_PAD=2, CHUNK=16), MOE_PTRS, [], 4, 1],
              [MOE, "_moe_combine_kernel", {"K": 4, "BLOCK": 1024}, MOE_PTRS, [], 4, 1]]
     for cfg in configs:
         cases += moe_compile_cases(cfg)
     cases += moe_compile_cases(configs[0], even=False) + moe_compile_cases(configs[4], even=False)
     reports = run_compile_reports(cases)  # asserts shared <= 227 KiB and no big spills
     for i, cfg in enumerate(configs):
-        gu, dn = reports[3 + 2 * i], reports[4 + 2 * i]
+        gu, dn = reports[4 + 2 * i], reports[5 + 2 * i]
         if cfg.block_m >= 64:  # one wgmma warpgroup needs 64 rows
             assert gu["wgmma"] and dn["wgmma"], (cfg, gu, dn)
     assert moe.default_moe_config(1054).block_m >= 64

@@ -160,45 +160,78 @@ def moe_config_candidates(num_tokens: int) -> list[MoEConfig]:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _moe_align_kernel(ids_ptr, off_ptr, sorted_ptr, pos_ptr, T,
-                      K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Counts, offsets ``off[E + 2]``, sorted pair ids and pair positions, in one program.
-
-    Two passes over the ``T*K`` routed pairs in chunks of a ``[CHUNK, E_PAD]`` one-hot: the
-    first counts per expert, the second ranks each pair within its expert by a running sum
-    (cumsum within the chunk plus the counts of the earlier chunks), so no atomics are needed.
-    """
+def _moe_count_kernel(ids_ptr, hist_ptr, T, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                      CHUNK: tl.constexpr):
+    """``hist[b, e]``: pairs of chunk ``b`` (``CHUNK`` consecutive routed pairs) routed to ``e``."""
+    b = tl.program_id(0)
     P = T * K
     e_idx = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, P, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
-        counts += tl.sum(hit.to(tl.int32), axis=0)
+    p = b * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
+    tl.store(hist_ptr + b * E_PAD + e_idx, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_align_kernel(ids_ptr, hist_ptr, off_ptr, sorted_ptr, pos_ptr, T, NB,
+                      K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+                      CHUNK: tl.constexpr):
+    """Offsets ``off[E + 2]``, sorted pair ids and pair positions, one program per chunk.
+
+    Every program reads all chunks' histograms (``[NB, E]``, a few KB): the totals give the
+    experts' start offsets, the sum over earlier chunks this chunk's base per expert, and a
+    cumsum inside the chunk each pair's rank; so pairs keep their order within an expert and no
+    atomics are needed (deterministic). The shared expert's rows ``t`` of this chunk's range are
+    pairs ``T*K + t`` after every routed pair.
+    """
+    b = tl.program_id(0)
+    P = T * K
+    e_idx = tl.arange(0, E_PAD)
+    r_idx = tl.arange(0, NB_PAD)
+    hist = tl.load(hist_ptr + r_idx[:, None] * E_PAD + e_idx[None, :], mask=r_idx[:, None] < NB, other=0)
+    counts = tl.sum(hist, axis=0)
+    before = tl.sum(tl.where(r_idx[:, None] < b, hist, 0), axis=0)
     starts = tl.cumsum(counts, axis=0) - counts
     n_routed = tl.sum(counts, axis=0)
-    tl.store(off_ptr + e_idx, starts, mask=e_idx < E)
-    tl.store(off_ptr + E, n_routed)
-    tl.store(off_ptr + E + 1, n_routed + T)
-    base = starts
-    for c0 in range(0, P, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
-        hit32 = hit.to(tl.int32)
-        rank = tl.cumsum(hit32, axis=0)  # inclusive, per expert column
-        pos = tl.sum(tl.where(hit, base[None, :] + rank - 1, 0), axis=1)
-        valid = tl.sum(hit32, axis=1) > 0
-        pos = tl.where(valid, pos, -1)
-        tl.store(pos_ptr + p, pos, mask=p < P)
-        tl.store(sorted_ptr + pos, p, mask=valid)  # a permutation of the valid pairs: no conflicts
-        base += tl.sum(hit32, axis=0)
-    # The shared expert: row t is pair P + t at position n_routed + t.
-    for t0 in range(0, T, CHUNK):
-        t = t0 + tl.arange(0, CHUNK)
-        tl.store(pos_ptr + P + t, n_routed + t, mask=t < T)
-        tl.store(sorted_ptr + n_routed + t, P + t, mask=t < T)
+    if b == 0:
+        tl.store(off_ptr + e_idx, starts, mask=e_idx < E)
+        tl.store(off_ptr + E, n_routed)
+        tl.store(off_ptr + E + 1, n_routed + T)
+    p = b * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
+    hit32 = hit.to(tl.int32)
+    rank = tl.cumsum(hit32, axis=0)  # inclusive, per expert column
+    pos = tl.sum(tl.where(hit, (starts + before)[None, :] + rank - 1, 0), axis=1)
+    valid = tl.sum(hit32, axis=1) > 0
+    pos = tl.where(valid, pos, -1)
+    tl.store(pos_ptr + p, pos, mask=p < P)
+    tl.store(sorted_ptr + pos, p, mask=valid & (p < P))  # a permutation of the valid pairs: no conflicts
+    t = b * CHUNK + tl.arange(0, CHUNK)  # chunks of pairs cover every row too (T <= T*K)
+    tl.store(pos_ptr + P + t, n_routed + t, mask=t < T)
+    tl.store(sorted_ptr + n_routed + t, P + t, mask=t < T)
+
+
+def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert offsets ``int32 [E + 2]`` (routed experts, then the shared expert, then the end),
+    sorted pair ids ``int32 [T*K + T]`` and each pair's sorted position ``int32 [T*K + T]``
+    (``-1`` for dropped pairs) from local ``topk_ids [T, K]``; two launches whose grids depend on
+    T only. ``chunk``: pairs per program (power of two; default fills a 4096-element one-hot)."""
+    T, K = topk_ids.shape
+    E = num_experts
+    P, dev = T * K, topk_ids.device
+    e_pad = max(2, next_pow2(E))
+    chunk = chunk or max(16, min(4096 // e_pad, next_pow2(max(P, 1))))
+    nb = triton.cdiv(P, chunk)
+    hist = torch.empty(nb, e_pad, dtype=torch.int32, device=dev)
+    off = torch.empty(E + 2, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(P + T, dtype=torch.int32, device=dev)
+    pair_pos = torch.empty(P + T, dtype=torch.int32, device=dev)
+    warps = 4 if chunk * e_pad <= 2048 else 8
+    _moe_count_kernel[(nb,)](topk_ids, hist, T, K=K, E=E, E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
+    _moe_align_kernel[(nb,)](topk_ids, hist, off, sorted_pairs, pair_pos, T, nb, K=K, E=E, E_PAD=e_pad,
+                             NB_PAD=max(2, next_pow2(nb)), CHUNK=chunk, num_warps=warps)
+    return off, sorted_pairs, pair_pos
 
 
 @triton.jit
@@ -425,7 +458,7 @@ def _fit_stages(num_stages: int, stage_bytes: int) -> int:
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
               shared_down: Tensor, alpha: float, limit: float, out: Tensor,
               config: MoEConfig | None = None) -> Tensor:
-    """Routed experts of this rank + the shared expert, four launches, graph-capturable.
+    """Routed experts of this rank + the shared expert, five launches, graph-capturable.
 
     Args:
         x: ``[T, H]`` (bf16 on GPU; fp32 allowed, then the dots run in fp32 "ieee").
@@ -449,17 +482,9 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     P = T * K
     dev = x.device
     dot_f32 = interpreting() or x.dtype == torch.float32  # the interpreter's bf16 dot is wrong
-    off = torch.empty(E + 2, dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(P + T, dtype=torch.int32, device=dev)
-    pair_pos = torch.empty(P + T, dtype=torch.int32, device=dev)
     act = torch.empty(P + T, max(I, Is), dtype=x.dtype, device=dev)
     y = torch.empty(P + T, H, dtype=torch.float32, device=dev)
-
-    e_pad = max(2, next_pow2(E))
-    # [chunk, E_PAD] one-hot tiles of <= 8192 elements: 16 warps keep them spill-free.
-    chunk = max(16, min(1024, 8192 // e_pad, next_pow2(max(P, T))))
-    _moe_align_kernel[(1,)](topk_ids, off, sorted_pairs, pair_pos, T, K=K, E=E, E_PAD=e_pad, CHUNK=chunk,
-                            num_warps=4 if chunk * e_pad <= 2048 else 16)
+    off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
 
     bn, bns, bk = cfg.gu_block_n, cfg.gu_block_n_shared, cfg.gu_block_k
     esz = x.element_size()
