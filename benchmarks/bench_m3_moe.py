@@ -35,10 +35,6 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 HBM_TBPS = 4.3
 ALPHA, LIMIT = 1.702, 7.0
 

@@ -35,10 +35,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 HBM_TBPS = 4.8
 GRAPH_CALLS = 20
 

@@ -37,10 +37,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 
 @dataclass(frozen=True)
 class Dims:
@@ -114,14 +110,11 @@ class Step:
             t.normal_()
         self.T = sum(n for _, n in specs)
         self.builder = md.MetadataBuilder(c, max_tokens=self.T, max_seqs=len(specs))
-        if hasattr(md, "TokenChunk"):  # the metadata API after RequestChunk -> TokenChunk
-            for i, (n, q) in enumerate(specs):
-                c.set_written(i, n - q)
-            chunks = [md.TokenChunk(i, n - q, [0] * q) for i, (n, q) in enumerate(specs)]
-            self.builder.check(chunks)
-            self.meta = self.builder.build(chunks)
-        else:
-            self.meta = self.builder.build([md.RequestChunk(i, n - q, q) for i, (n, q) in enumerate(specs)])
+        for i, (n, q) in enumerate(specs):
+            c.set_written(i, n - q)
+        chunks = [md.TokenChunk(i, n - q, [0] * q) for i, (n, q) in enumerate(specs)]
+        self.builder.check(chunks)
+        self.meta = self.builder.build(chunks)
         self.chunk_rows = (decodes // 2, decodes // 2 + chunk)
         self.q = torch.randn(self.T, d.num_qo_heads, d.head_dim, device=device, dtype=torch.bfloat16)
         self.iq = torch.randn(self.T, d.num_kv_heads, d.index_dim, device=device, dtype=torch.bfloat16)
