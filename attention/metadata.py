@@ -44,6 +44,8 @@ def _token_ids(seq_id: Hashable, token_ids: object) -> tuple[int, ...]:
     if (isinstance(token_ids, (str, bytes))
             or not isinstance(token_ids, Sequence) and not hasattr(token_ids, "__array__")):
         raise ValueError(f"request {seq_id!r}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+    if isinstance(token_ids, (list, tuple)) and all(type(t) is int for t in token_ids):
+        return tuple(token_ids)  # the common case, checked at C speed (bools are not type int)
     out = []
     for i, t in enumerate(token_ids):
         v = _as_int(t)
