@@ -19,6 +19,7 @@ from typing import Hashable, Iterator, Sequence
 
 import torch
 
+from attention.staging import PingPongStaging
 from graphcap.config import is_int
 from kvcache.paged import PagedKVCache
 
@@ -192,12 +193,7 @@ class MetadataBuilder:
         self.max_seqs = max_seqs
         self.device = torch.device(device) if device is not None else cache.block_tables.device
         self.pad_seq_row = max_seqs  # one request row beyond capacity is always padding
-        pin = self.device.type == "cuda"
         s, t = max_seqs + 1, max_tokens
-
-        def host(n: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
-            return torch.full((n,), fill, dtype=dtype, pin_memory=pin)
-
         # Host staging (pinned on CUDA) mirrors the device buffers entry for entry. Two sets,
         # used alternately, so a non-blocking copy still reading one set is never overwritten
         # by the next build.
@@ -207,10 +203,10 @@ class MetadataBuilder:
         dtypes = dict(qo_indptr=torch.int32, kv_lens=torch.int32, seq_slots=torch.int32, token_seq=torch.int32,
                       positions=torch.int64, slot_mapping=torch.int64)
         self._pads = pads
-        self._staging = [{k: host(sizes[k], dtypes[k], pads[k]) for k in sizes} for _ in range(2)]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._which = 0
-        self.buffers = MetadataBuffers(**{k: self._staging[0][k].to(self.device, copy=True) for k in sizes})
+        self._staging = PingPongStaging(
+            lambda pin: {k: torch.full((sizes[k],), pads[k], dtype=dtypes[k], pin_memory=pin) for k in sizes},
+            self.device)
+        self.buffers = MetadataBuffers(**{k: self._staging.sets[0][k].to(self.device, copy=True) for k in sizes})
         # High-water marks (tokens, requests) of the last build per staging set and on device.
         self._hw = [(0, 0), (0, 0)]
         self._hw_dev = (0, 0)
@@ -288,36 +284,26 @@ class MetadataBuilder:
             token_seq.extend([i] * ch.num_tokens)
             positions.extend(range(ch.start_pos, end))
 
-        w = self._which
-        self._which ^= 1
-        ev = self._events[w]
-        if ev is not None:
-            ev.synchronize()  # the copy that last read this staging set has finished
-        st = self._staging[w]
-        # Invariant per buffer (staging set and device): entries past the high-water mark of
-        # the last build that wrote it hold pad values. So only [0, max(old mark, new size))
-        # needs rewriting, and a build costs O(this step), not O(capacity).
-        hw_t, hw_s = self._hw[w]
-        dev_t, dev_s = max(self._hw_dev[0], total), max(self._hw_dev[1], nb)
-        # qo_indptr pads equal T, which changes every step: rewrite it whole (O(max_seqs)).
-        _put(st["qo_indptr"], indptr, total, st["qo_indptr"].shape[0])
-        _put(st["kv_lens"], kv_lens, self._pads["kv_lens"], max(hw_s, nb))
-        _put(st["seq_slots"], rows, self._pads["seq_slots"], max(hw_s, nb))
-        _put(st["token_seq"], token_seq, self._pads["token_seq"], max(hw_t, total))
-        _put(st["positions"], positions, 0, max(hw_t, total))
-        _put(st["slot_mapping"], slots, -1, max(hw_t, total))
-        self._hw[w] = (total, nb)
-        self._hw_dev = (total, nb)
-        nonblock = self.device.type == "cuda"
         buf = self.buffers
-        lengths = dict(qo_indptr=st["qo_indptr"].shape[0], kv_lens=dev_s, seq_slots=dev_s, token_seq=dev_t,
-                       positions=dev_t, slot_mapping=dev_t)
-        for name, n in lengths.items():
-            getattr(buf, name)[:n].copy_(st[name][:n], non_blocking=nonblock)
-        if nonblock:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events[w] = ev
+        with self._staging.next_set() as (w, st):
+            # Invariant per buffer (staging set and device): entries past the high-water mark of
+            # the last build that wrote it hold pad values. So only [0, max(old mark, new size))
+            # needs rewriting, and a build costs O(this step), not O(capacity).
+            hw_t, hw_s = self._hw[w]
+            dev_t, dev_s = max(self._hw_dev[0], total), max(self._hw_dev[1], nb)
+            # qo_indptr pads equal T, which changes every step: rewrite it whole (O(max_seqs)).
+            _put(st["qo_indptr"], indptr, total, st["qo_indptr"].shape[0])
+            _put(st["kv_lens"], kv_lens, self._pads["kv_lens"], max(hw_s, nb))
+            _put(st["seq_slots"], rows, self._pads["seq_slots"], max(hw_s, nb))
+            _put(st["token_seq"], token_seq, self._pads["token_seq"], max(hw_t, total))
+            _put(st["positions"], positions, 0, max(hw_t, total))
+            _put(st["slot_mapping"], slots, -1, max(hw_t, total))
+            self._hw[w] = (total, nb)
+            self._hw_dev = (total, nb)
+            lengths = dict(qo_indptr=st["qo_indptr"].shape[0], kv_lens=dev_s, seq_slots=dev_s, token_seq=dev_t,
+                           positions=dev_t, slot_mapping=dev_t)
+            for name, n in lengths.items():
+                getattr(buf, name)[:n].copy_(st[name][:n], non_blocking=self._staging.non_blocking)
 
         return AttentionMetadata(
             num_tokens=total,

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from attention.staging import PingPongStaging
+
 Tensor = torch.Tensor
 
 
@@ -173,12 +175,13 @@ class TilePlanner:
             raise ValueError(f"TilePlanner.max_tokens must be a positive int, got {max_tokens!r}")
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
         self.buffer = torch.zeros((max_tokens, 2), dtype=torch.int32, device=self.device)
-        self._staging = [torch.zeros((max_tokens, 2), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._staging_np = [t.numpy() for t in self._staging]  # same memory; cheap host writes
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._which = 0
+
+        def staging_set(pin: bool) -> tuple[Tensor, np.ndarray]:
+            rows = torch.zeros((max_tokens, 2), dtype=torch.int32, pin_memory=pin)
+            return rows, rows.numpy()  # same memory; the numpy view makes host writes cheap
+
+        self._staging = PingPongStaging(staging_set, self.device)
 
     def plan(self, qo_indptr_host: Tensor, block_t: int) -> StepTiles:
         """Tiles of the step with token offsets ``qo_indptr_host`` (see :func:`prefill_tiles`),
@@ -195,21 +198,10 @@ class TilePlanner:
         tokens = int(indptr[-1] - indptr[0])
         if tokens > self.max_tokens:
             raise ValueError(f"TilePlanner: step has {tokens} tokens but max_tokens={self.max_tokens}")
-        w = self._which
-        self._which ^= 1
-        ev = self._events[w]
-        if ev is not None:
-            ev.synchronize()  # the copy that last read this staging set has finished
-        st = self._staging[w]
-        st_np = self._staging_np[w]
-        st_np[:nm] = multi
-        st_np[nm:n] = single
-        nonblock = self.device.type == "cuda"
-        self.buffer[:n].copy_(st[:n], non_blocking=nonblock)
-        if nonblock:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events[w] = ev
+        with self._staging.next_set() as (_, (st, st_np)):
+            st_np[:nm] = multi
+            st_np[nm:n] = single
+            self.buffer[:n].copy_(st[:n], non_blocking=self._staging.non_blocking)
         return StepTiles(rows=self.buffer[:n], num_multi=nm, block_t=block_t, num_tokens=tokens)
 
 
