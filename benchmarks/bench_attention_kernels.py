@@ -34,9 +34,9 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
+from timing import Timer
 
 HBM_TBPS, BF16_TFLOPS = 4.3, 790.0
 
@@ -77,35 +77,6 @@ class Row:
             speedup=(self.ref_us / self.time_us) if self.ref_us else None,
         )
         return self
-
-
-class Timer:
-    """Median GPU time in microseconds (do_bench), or one host-timed run for ``--smoke``."""
-
-    def __init__(self, smoke: bool, warmup_ms: int, rep_ms: int) -> None:
-        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
-
-    def __call__(self, fn: Callable[[], None], rep_ms: int | None = None) -> float:
-        if self.smoke:
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6
-        import triton.testing
-
-        return 1e3 * triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=rep_ms or self.rep_ms,
-                                             return_mode="median")
-
-    def graph(self, fn: Callable[[], None]) -> float | None:
-        """Time of the ops in ``fn`` captured as one CUDA graph and replayed."""
-        if self.smoke:
-            return None
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return self(g.replay)
 
 
 def make_cache(dims: Dims, seq_lens: list[int], capacity_tokens: int, device: str):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
 import torch
+from timing import graph_replay_us
 
 HBM_TBPS = 4.3
 ALPHA, LIMIT = 1.702, 7.0
@@ -144,22 +144,7 @@ def time_calls(calls: list[Callable[[], None]], smoke: bool, reps: int) -> float
         for c in calls:
             c()
         return (time.perf_counter() - t0) * 1e6 / len(calls)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+    return graph_replay_us(calls, reps)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

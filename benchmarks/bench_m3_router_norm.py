@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from timing import Timer, graph_replay_us
 
 HBM_TBPS = 4.8
 GRAPH_CALLS = 20
@@ -52,16 +53,8 @@ class Row:
     note: str = ""
 
 
-class Timer:
+class GraphTimer(Timer):
     """CUDA-graph replay timings in microseconds, or host timing of one call for ``--smoke``."""
-
-    def __init__(self, smoke: bool, warmup_ms: int, rep_ms: int) -> None:
-        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
-
-    def _bench(self, fn: Callable[[], None]) -> float:
-        import triton.testing
-
-        return 1e3 * triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
 
     def graphs(self, fn: Callable[[], None]) -> tuple[float | None, float | None]:
         """(one call per graph, per call of a 20-call graph); ``fn`` has run once already."""
@@ -69,26 +62,7 @@ class Timer:
             t0 = time.perf_counter()
             fn()
             return (time.perf_counter() - t0) * 1e6, None
-        torch.cuda.synchronize()
-        g1, g20 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g1):
-            fn()
-        with torch.cuda.graph(g20):
-            for _ in range(GRAPH_CALLS):
-                fn()
-        one = self._bench(g1.replay)
-        g20.replay()  # warm
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(max(5, self.rep_ms // 5)):
-            start.record()
-            g20.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-        times.sort()
-        return one, times[len(times) // 2]
+        return self.graph(fn), graph_replay_us([fn] * GRAPH_CALLS, reps=max(5, self.rep_ms // 5))
 
 
 def routing_agreement(got, want) -> str:
@@ -101,7 +75,7 @@ def routing_agreement(got, want) -> str:
     return f"same sets {100.0 * same.float().mean().item():.1f}%, max w err {err:.1e}"
 
 
-def bench_router(T: int, H: int, E: int, K: int, timer: Timer, device: str, compiled) -> list[Row]:
+def bench_router(T: int, H: int, E: int, K: int, timer: GraphTimer, device: str, compiled) -> list[Row]:
     from models.minimax_m3.kernels.router import route_torch, route_triton
 
     g = torch.Generator(device=device).manual_seed(T)
@@ -137,7 +111,7 @@ def bench_router(T: int, H: int, E: int, K: int, timer: Timer, device: str, comp
     return rows
 
 
-def bench_norms(T: int, H: int, timer: Timer, device: str, flashinfer) -> list[Row]:
+def bench_norms(T: int, H: int, timer: GraphTimer, device: str, flashinfer) -> list[Row]:
     from models.minimax_m3.kernels import norm as nk
 
     g = torch.Generator(device=device).manual_seed(T)
@@ -240,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda"
         torch.backends.cuda.matmul.allow_tf32 = False  # route_torch: a true fp32 GEMM, like the kernel
     tokens = [int(t) for t in a.tokens.split(",") if t]
-    timer = Timer(a.smoke, a.warmup_ms, a.rep_ms)
+    timer = GraphTimer(a.smoke, a.warmup_ms, a.rep_ms)
     flashinfer, fi_note = load_flashinfer(a.no_flashinfer, device)
     compiled = None
     if not a.no_compile:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from timing import Timer
 
 
 @dataclass(frozen=True)
@@ -59,33 +60,6 @@ class Row:
     graph_us: float | None
     launches: int
     check: str = ""
-
-
-class Timer:
-    """Median GPU time in microseconds (do_bench), or one host-timed run for ``--smoke``."""
-
-    def __init__(self, smoke: bool, warmup_ms: int, rep_ms: int) -> None:
-        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
-
-    def __call__(self, fn: Callable[[], None]) -> float:
-        if self.smoke:
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6
-        import triton.testing
-
-        return 1e3 * triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
-
-    def graph(self, fn: Callable[[], None]) -> float | None:
-        if self.smoke:
-            return None
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return self(g.replay)
 
 
 class Step:

@@ -1,0 +1,62 @@
+"""GPU timing shared by the benchmark scripts (imported as ``timing``: scripts run from this
+folder have it on ``sys.path``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class Timer:
+    """Median GPU time in microseconds (do_bench), or one host-timed run for ``--smoke``."""
+
+    def __init__(self, smoke: bool, warmup_ms: int, rep_ms: int) -> None:
+        self.smoke, self.warmup_ms, self.rep_ms = smoke, warmup_ms, rep_ms
+
+    def __call__(self, fn: Callable[[], None], rep_ms: int | None = None) -> float:
+        if self.smoke:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=rep_ms or self.rep_ms,
+                                             return_mode="median")
+
+    def graph(self, fn: Callable[[], None]) -> float | None:
+        """Time of the ops in ``fn`` captured as one CUDA graph and replayed."""
+        if self.smoke:
+            return None
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return self(g.replay)
+
+
+def graph_replay_us(calls: Sequence[Callable[[], None]], reps: int) -> float:
+    """Median GPU microseconds per call: ``calls`` captured in order as one CUDA graph, replayed
+    ``reps`` times between CUDA events. Many calls per graph amortise the replay's own launch,
+    which one-call graphs of microsecond kernels would otherwise measure. The calls must have
+    run once already (lazy allocations and JIT builds cannot happen inside a capture)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()  # warm
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
