@@ -26,19 +26,46 @@ def default_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def bucket_list(config: CaptureConfig) -> tuple[int, ...]:
-    """The buckets a config captures, ascending."""
-    return config.buckets if config.buckets is not None else default_buckets(config.max_tokens)
-
-
 def whole_graph_buckets(config: CaptureConfig, request_capacity: int | None = None) -> tuple[int, ...]:
-    """The buckets captured as whole decode graphs: every bucket up to
-    ``config.full_graph_max_tokens`` and ``request_capacity`` (a uniform decode step carries
-    one token per request, so no decode step is larger than the request capacity)."""
+    """The buckets captured as whole decode graphs (one token per request, so none above
+    ``request_capacity``): ``config.decode_buckets``; else the explicit ``config.buckets`` up to
+    the capacity; else the default geometric buckets up to it. Empty when
+    ``full_graph_decode`` is off.
+
+    Raises:
+        ValueError: an explicit ``decode_buckets`` entry above the request capacity.
+    """
     if not config.full_graph_decode:
         return ()
-    limit = min(x for x in (config.full_graph_max_tokens, request_capacity, config.max_tokens) if x is not None)
-    return tuple(b for b in bucket_list(config) if b <= limit)
+    limit = min(config.max_tokens, request_capacity or config.max_tokens)
+    if config.decode_buckets is not None:
+        over = [b for b in config.decode_buckets if b > limit]
+        if over:
+            raise ValueError(
+                f"CaptureConfig.decode_buckets {over} exceed the request capacity {limit} (a whole decode "
+                f"graph of b tokens holds b requests); drop them or raise max_seqs"
+            )
+        return config.decode_buckets
+    if config.buckets is not None:
+        return tuple(b for b in config.buckets if b <= limit)
+    return default_buckets(limit)
+
+
+def bucket_list(config: CaptureConfig, whole: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The segmented-graph buckets, ascending: ``config.buckets``, or derived from the whole
+    decode buckets ``whole``.
+
+    Derived: the default geometric buckets above ``max(whole)``. A step of at most that many
+    tokens that is not a uniform decode (a short prompt, or a few decodes with a short chunk)
+    pads into the smallest segmented bucket; in serving such steps are rare (chunked prefill
+    fills steps up to the token budget), and every segmented graph costs capture time and
+    memory. A whole bucket that cannot be captured gets its segmented graph back
+    (``CaptureManager`` adds it).
+    """
+    if config.buckets is not None:
+        return config.buckets
+    top = max(whole, default=0)
+    return tuple(b for b in default_buckets(config.max_tokens) if b > top) or (config.max_tokens,)
 
 
 def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int | None:

@@ -40,18 +40,24 @@ class CaptureConfig:
     Attributes:
         enabled: capture and replay graphs; False runs every step eagerly (same code path).
         max_tokens: the capture ceiling; steps with more tokens run eagerly and are counted.
-        buckets: explicit token-count buckets (any iterable of ints, stored as a sorted unique
-            tuple, last <= max_tokens); ``None`` uses ``graphcap.buckets.default_buckets``.
+        buckets: segmented-graph buckets (token counts; any iterable of ints, stored as a sorted
+            unique tuple, last <= max_tokens). ``None`` derives them (``graphcap.buckets``): the
+            default geometric buckets above the largest whole decode graph, since uniform decode
+            steps of that size replay whole graphs and the rare small mixed step pads up.
+        decode_buckets: whole-decode-graph buckets (one token per request, so each <= the
+            request capacity). ``None``: the explicit ``buckets`` up to the request capacity,
+            or the default geometric buckets up to it.
         full_graph_decode: capture uniform decode steps as one whole graph when every splice
             point they pass through is graph-safe for that bucket.
-        full_graph_max_tokens: largest bucket captured as a whole decode graph (``None``: all
-            buckets). A model whose decode steps carry one token per request sets it to its
-            request capacity.
         validate: compare graph replay with eager per bucket after capture; failing buckets are
             dropped (run eagerly) and reported.
         debug_eager: run every step eagerly through the same padded segment/splice path (no
             graphs); this is what CPU machines exercise.
-        warmup_steps: eager runs per bucket before capture (Triton autotune, JIT, allocator).
+        detect_frozen: with ``validate``, also capture every bucket a second time on other dummy
+            data and compare the two captures' kernel nodes (``graphcap.frozen``); a parameter
+            that differs is a host value frozen into the graph and drops the bucket.
+        warmup_steps: eager runs per graph before capture (allocator and lazy-init warm-up; JIT
+            builds and kernel tuning run before them, in the ``before_capture`` hook).
         recapture_on_invalidation: when registered storage moves, recapture into a fresh pool;
             False raises instead.
         guard_producers: check producer code for host syncs and CPU-tensor reads during warm-up,
@@ -63,47 +69,45 @@ class CaptureConfig:
     enabled: bool = False
     max_tokens: int = 512
     buckets: tuple[int, ...] | None = None
+    decode_buckets: tuple[int, ...] | None = None
     full_graph_decode: bool = True
-    full_graph_max_tokens: int | None = None
     validate: bool = False
+    detect_frozen: bool = False
     debug_eager: bool = False
-    warmup_steps: int = 2
+    warmup_steps: int = 1
     recapture_on_invalidation: bool = True
     guard_producers: bool = True
 
     def __post_init__(self) -> None:
-        for f in ("enabled", "full_graph_decode", "validate", "debug_eager", "recapture_on_invalidation",
-                  "guard_producers"):
+        for f in ("enabled", "full_graph_decode", "validate", "detect_frozen", "debug_eager",
+                  "recapture_on_invalidation", "guard_producers"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"CaptureConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"CaptureConfig.max_tokens must be a positive int, got {self.max_tokens!r}")
         if not is_int(self.warmup_steps) or self.warmup_steps < 1:
             raise ValueError(
-                f"CaptureConfig.warmup_steps must be an int >= 1 (Triton autotune and JIT must run before "
+                f"CaptureConfig.warmup_steps must be an int >= 1 (every graph runs eagerly before its "
                 f"capture), got {self.warmup_steps!r}"
             )
-        if self.full_graph_max_tokens is not None and (
-            not is_int(self.full_graph_max_tokens) or self.full_graph_max_tokens < 1
-        ):
+        for name in ("buckets", "decode_buckets"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, self._check_buckets(name, getattr(self, name)))
+
+    def _check_buckets(self, name: str, value: object) -> tuple[int, ...]:
+        b = int_tuple(f"CaptureConfig.{name}", value)
+        if not b:
+            raise ValueError(f"CaptureConfig.{name} must not be empty (use None for the default rule)")
+        if any(x < 1 for x in b):
+            raise ValueError(f"CaptureConfig.{name} must hold positive ints, got {b!r}")
+        if list(b) != sorted(set(b)):
+            raise ValueError(f"CaptureConfig.{name} must be strictly increasing, got {b!r}")
+        if b[-1] > self.max_tokens:
             raise ValueError(
-                "CaptureConfig.full_graph_max_tokens must be a positive int or None, "
-                f"got {self.full_graph_max_tokens!r}"
+                f"CaptureConfig.{name} has {b[-1]} above max_tokens={self.max_tokens}; "
+                f"raise max_tokens or drop that bucket"
             )
-        if self.buckets is not None:
-            b = int_tuple("CaptureConfig.buckets", self.buckets)
-            object.__setattr__(self, "buckets", b)
-            if not b:
-                raise ValueError("CaptureConfig.buckets must not be empty (use None for the default rule)")
-            if any(x < 1 for x in b):
-                raise ValueError(f"CaptureConfig.buckets must hold positive ints, got {b!r}")
-            if list(b) != sorted(set(b)):
-                raise ValueError(f"CaptureConfig.buckets must be strictly increasing, got {b!r}")
-            if b[-1] > self.max_tokens:
-                raise ValueError(
-                    f"CaptureConfig.buckets has {b[-1]} above max_tokens={self.max_tokens}; "
-                    f"raise max_tokens or drop that bucket"
-                )
+        return b
 
     @classmethod
     def from_env(cls, base: "CaptureConfig | None" = None) -> "CaptureConfig":
@@ -129,10 +133,8 @@ class CaptureConfig:
                 continue
             current = getattr(base, name)
             try:
-                if name == "buckets":
+                if name in ("buckets", "decode_buckets"):
                     updates[name] = tuple(int(x) for x in raw.split(",") if x.strip()) or None
-                elif name == "full_graph_max_tokens":
-                    updates[name] = int(raw) if raw.strip() else None
                 elif isinstance(current, bool):
                     if raw.strip().lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
                         raise ValueError(raw)
@@ -140,7 +142,8 @@ class CaptureConfig:
                 else:
                     updates[name] = int(raw)
             except ValueError:
-                what = {"buckets": "not a comma-separated list of ints"}.get(
+                what = {"buckets": "not a comma-separated list of ints",
+                        "decode_buckets": "not a comma-separated list of ints"}.get(
                     name,
                     ("not a boolean (use 1/0, true/false, yes/no, on/off)" if isinstance(current, bool)
                      else "not an int"),

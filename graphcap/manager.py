@@ -20,14 +20,19 @@ graph-mode state for ``manager.whole_buckets``).
 
 from __future__ import annotations
 
+import time
+import traceback
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_map
 
+from . import jit_cache
 from .buckets import Padding, bucket_for, bucket_list, whole_graph_buckets
 from .config import CaptureConfig
+from .frozen import compare_segments
 from .guard import CaptureGuard
+from .memory import CaptureOutOfMemory, out_of_memory, pool_bytes
 from .registry import Source, StorageRegistry
 from .segments import BreakableGraph, EagerDriver, Forward, capture_bucket, frozen_gc, run_eager
 from .splice import Step, step_context
@@ -56,6 +61,8 @@ class CaptureManager:
         before_capture: called with the manager before every (re)capture.
         request_capacity: most requests one step holds; whole decode graphs (one token per
             request) are never larger.
+        sample_step: steps on other data than ``dummy_step`` (other tokens, positions,
+            requests) for ``validate`` and ``detect_frozen`` (default: ``dummy_step``).
     """
 
     def __init__(
@@ -68,20 +75,23 @@ class CaptureManager:
         dummy_step: DummyStep | None = None,
         before_capture: Callable[["CaptureManager"], None] | None = None,
         request_capacity: int | None = None,
+        sample_step: DummyStep | None = None,
     ) -> None:
         if config.max_tokens > inputs.max_tokens:
             raise ValueError(
                 f"CaptureConfig.max_tokens={config.max_tokens} exceeds the static input buffers "
                 f"({inputs.max_tokens} rows); allocate StaticInputs with max_tokens >= the ceiling"
             )
+        jit_cache.configure()  # Triton and flashinfer caches under GRAPHCAP_CACHE_DIR
         self.forward = forward
         self.inputs = inputs
         self.config = config
         self.prepare = prepare or (lambda step, padding: None)
         self.dummy_step = dummy_step
+        self.sample_step = sample_step or dummy_step
         self.before_capture = before_capture
-        self.buckets = bucket_list(config)
         self.whole_buckets = whole_graph_buckets(config, request_capacity)
+        self.buckets = bucket_list(config, self.whole_buckets)
         self.device = inputs.device
         self.stats = CaptureStats()
         self.registry = StorageRegistry()
@@ -90,6 +100,7 @@ class CaptureManager:
         self._graphs: dict[Key, BreakableGraph] = {}
         self._unavailable: set[Key] = set()  # skipped (splices not graph-safe) or dropped by validation
         self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
         self._captured = False
         self._stale: str | None = None
 
@@ -143,14 +154,18 @@ class CaptureManager:
 
     # ---------------------------------------------------------------- capture
     def capture(self) -> None:
-        """Warm up every bucket eagerly on a side stream, then capture largest first into one pool.
+        """Prebuild, warm up, then capture largest bucket first into one pool.
 
-        In debug-eager mode nothing is captured; each whole-graph bucket is run once, guarded,
-        to learn (as a GPU warm-up would) which ones the splices allow.
+        Phases (seconds in ``stats``): ``jit_s``, the ``before_capture`` hook (JIT builds,
+        kernel tuning, backend graph state); ``warmup_s``, one eager run per graph on a side
+        stream, producer code guarded once per bucket size; ``capture_s``; then ``validate``
+        when configured. In debug-eager mode nothing is captured; each whole-graph bucket is
+        run once, guarded, to learn (as a GPU warm-up would) which ones the splices allow.
 
         Raises:
             CaptureViolation: producer code synced with the host or read a CPU tensor; the
                 error names the segment and the op. The manager is left with no graphs.
+            CaptureOutOfMemory: the GPU ran out of memory; every graph and the pool are freed.
         """
         if not self.uses_graphs:
             if self.config.enabled and self.dummy_step is not None:
@@ -161,52 +176,95 @@ class CaptureManager:
         if self.dummy_step is None:
             raise ValueError("CaptureManager.capture() needs dummy_step(bucket, whole_graph) to build capture inputs")
         self._release()
-        if self.before_capture is not None:
-            self.before_capture(self)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        keys = self._warm_up(stream)
-        self._pool = torch.cuda.graph_pool_handle()
+        stats = self.stats
+        stats.capture_ms = stats.memory_mib = 0.0
+        what = "building kernels (before_capture)"
         try:
+            t0 = time.perf_counter()
+            if self.before_capture is not None:
+                self.before_capture(self)
+            torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
+            stats.jit_s = t1 - t0
+            stream = self._capture_stream()
+            what = "warming up"
+            keys = self._warm_up(stream)
+            t2 = time.perf_counter()
+            stats.warmup_s = t2 - t1
+            self._pool = torch.cuda.graph_pool_handle()
             with frozen_gc():
                 for key in keys:
+                    what = f"capturing bucket {key[0]} ({'whole decode' if key[1] else 'segmented'} graph)"
                     self._capture_one(key, stream)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            stats.capture_s = time.perf_counter() - t2
+            pool = pool_bytes(self._pool)
+            stats.pool_mib = stats.memory_mib if pool is None else pool / 2**20
+        except torch.OutOfMemoryError as e:
+            graphs, held = len(self._graphs), stats.memory_mib
+            self._release()
+            # The traceback's frames hold the half-captured forward's tensors (pool memory).
+            traceback.clear_frames(e.__traceback__)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            raise CaptureOutOfMemory(out_of_memory(what, graphs, held, self.device, e)) from None
         except BaseException:
             self._release()
             raise
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         self.registry.snapshot()
         self._captured = True
         self._stale = None
         if self.config.validate:
             self.validate()
 
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The side stream warm-up and capture run on: one per manager, since libraries keep
+        per-stream state alive (cuBLAS a 32 MiB workspace per stream), so a new stream per
+        recapture would leak it."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._stream
+
     def _padding_of(self, step: Step, key: Key) -> Padding:
         return Padding.bucketed(step.num_tokens, step.num_seqs, key[0], whole_graph=key[1])
 
     def _warm_up(self, stream: torch.cuda.Stream) -> list[Key]:
-        """Eager runs per key (Triton autotune, flashinfer JIT, allocator warm-up) under the
-        capture guard; returns the keys worth capturing (whole graphs only where every splice
-        is graph-safe for that bucket)."""
-        keys = []
+        """``warmup_steps`` eager runs per graph (allocator warm-up, lazy init, the last JIT
+        builds), the first run of each bucket size with producer code under the capture guard
+        (a whole and a segmented graph of one size run the same producers). Whole decode graphs
+        go first: one whose splices are not graph-safe is skipped, and its size gets a
+        segmented graph when the buckets are derived. Returns the keys to capture, largest
+        first."""
+        guarded: set[int] = set()
+
+        def run(key: Key):
+            step = self.dummy_step(*key)
+            driver = None
+            for _ in range(self.config.warmup_steps):
+                _, driver = self._run_padded(step, self._padding_of(step, key), guard=key[0] not in guarded)
+                guarded.add(key[0])
+            return driver
+
         with torch.cuda.stream(stream):
-            for key in self.keys():
-                step = self.dummy_step(*key)
-                for _ in range(self.config.warmup_steps):
-                    _, driver = self._run_padded(step, self._padding_of(step, key), guard=True)
-                if key[1] and self._mark_unsafe(key, driver):
-                    continue
-                keys.append(key)
+            whole = [k for k in self.keys() if k[1] and not self._mark_unsafe(k, run(k))]
+            segmented = [k for k in self.keys() if not k[1]]
+            for key in segmented:
+                run(key)
         torch.cuda.synchronize(self.device)
-        return keys
+        return sorted(whole + segmented, key=lambda k: (-k[0], k[1]))
 
     def _mark_unsafe(self, key: Key, driver: EagerDriver) -> bool:
-        """Skip a whole-graph key whose splices are not graph-safe for it; True when skipped."""
+        """Skip a whole-graph key whose splices are not graph-safe for it; True when skipped.
+        Its steps then run segmented: with derived buckets its size gets a segmented graph."""
         if not driver.unsafe:
             return False
         stats = self.stats.bucket(*key)
         stats.status, stats.reason = "skipped", f"splices not graph-safe for decode: {', '.join(sorted(driver.unsafe))}"
         self._unavailable.add(key)
+        if self.config.buckets is None and key[0] not in self.buckets:
+            self.buckets = tuple(sorted((*self.buckets, key[0])))
         return True
 
     def _capture_one(self, key: Key, stream: torch.cuda.Stream) -> None:
@@ -215,7 +273,8 @@ class CaptureManager:
         with step_context(step, padding):
             self.prepare(step, padding)
         views = self.inputs.copy_in(step.inputs, padding)
-        graph = capture_bucket(self.forward, views, step, padding, self._pool, stream, self.config.guard_producers)
+        graph = capture_bucket(self.forward, views, step, padding, self._pool, stream, guard=False,
+                               keep_graph=self.config.detect_frozen)
         self._graphs[key] = graph
         stats = self.stats.bucket(*key)
         stats.status, stats.reason = "captured", ""
@@ -334,19 +393,20 @@ class CaptureManager:
         return run_eager(self.forward, views, step, padding, checker, capturing=guard)
 
     # ------------------------------------------------------------- validation
-    def validate(self, sample_step: DummyStep | None = None) -> dict[Key, str]:
+    def validate(self, sample_step: DummyStep | None = None, frozen: bool | None = None) -> dict[Key, str]:
         """Replay vs eager on identical inputs for every captured graph.
 
-        For each graph, ``sample_step(bucket, whole)`` (default: ``dummy_step``) is run once
+        For each graph, ``sample_step(bucket, whole)`` (default: the manager's) is run once
         eagerly and unpadded, and once through the graph; outputs must agree within the
         dtype's tolerance, mutable state (caches) must match, and the graph may not touch any
         element eager left unchanged (padded rows write nothing). State is restored after
         each comparison. Failing graphs are dropped (their steps run eagerly) and returned
         with the reason; ``self.failures`` keeps them for the report.
         """
-        sample_step = sample_step or self.dummy_step
+        sample_step = sample_step or self.sample_step
         if sample_step is None:
             raise ValueError("validate() needs sample_step(bucket, whole_graph)")
+        t0 = time.perf_counter()
         failures: dict[Key, str] = {}
         state = self.registry.mutable_state()
         for key, graph in sorted(self._graphs.items(), key=lambda kv: kv[0]):
@@ -362,11 +422,78 @@ class CaptureManager:
             for k, t in state.items():
                 t.copy_(before[k])
             if problems:
-                reason = "; ".join(problems)
-                failures[key] = reason
-                del self._graphs[key]
-                self._unavailable.add(key)
-                stats = self.stats.bucket(*key)
-                stats.status, stats.reason = "dropped", reason
-        self.failures.update(failures)
+                failures[key] = "; ".join(problems)
+        for key, reason in failures.items():
+            self._drop(key, reason)
+        self.stats.validate_s = time.perf_counter() - t0
+        if self.config.detect_frozen if frozen is None else frozen:
+            failures.update(self.detect_frozen(sample_step))
         return failures
+
+    def detect_frozen(self, sample_step: DummyStep | None = None) -> dict[Key, str]:
+        """Capture every graph a second time on ``sample_step(bucket, whole)`` (other dummy data
+        than the capture's), twice, and once more on ``dummy_step`` (the capture's own data):
+        bytes that change between captures of one data set are noise. Each capture has a
+        scratch pool. Then compare kernel nodes
+        (``graphcap.frozen``): a kernel name, launch or parameter that differs is a host value
+        frozen into the graph. Such graphs are dropped (their steps run eagerly) and returned
+        with the kernel and segment; ``stats.frozen_s`` is the time taken.
+
+        Raises:
+            ValueError: the graphs were captured without ``CaptureConfig.detect_frozen`` (their
+                nodes were not kept).
+        """
+        sample_step = sample_step or self.sample_step
+        if not self.uses_graphs or not self._graphs:
+            return {}
+        if sample_step is None:
+            raise ValueError("detect_frozen() needs sample_step(bucket, whole_graph)")
+        t0 = time.perf_counter()
+        failures: dict[Key, str] = {}
+        stream = self._capture_stream()
+        with frozen_gc():
+            for key, graph in sorted(self._graphs.items(), key=lambda kv: -kv[0][0]):
+                problems = self._recapture_and_compare(key, graph, sample_step, stream)
+                if problems:
+                    failures[key] = "frozen host value: " + "; ".join(problems)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        for key, reason in failures.items():
+            self._drop(key, reason)
+        self.stats.frozen_s = time.perf_counter() - t0
+        return failures
+
+    def _recapture_and_compare(self, key: Key, graph: BreakableGraph, sample_step: DummyStep,
+                               stream: torch.cuda.Stream) -> list[str]:
+        if not graph.kept:
+            raise ValueError("frozen-value detection needs the captured graphs' nodes: capture with "
+                             "CaptureConfig(detect_frozen=True)")
+        other = self._capture_again(key, sample_step, stream)
+        same = self._capture_again(key, self.dummy_step, stream)
+        first, labels = graph.segment_nodes(), graph.segment_labels()
+        problems = compare_segments(first, other, labels, same_data=same)
+        if problems:  # confirm: a difference counts only where the other data's twin agrees too
+            again = self._capture_again(key, sample_step, stream)
+            problems = compare_segments(first, other, labels, same_data=same, second_again=again)
+        return problems
+
+    def _capture_again(self, key: Key, make_step: DummyStep, stream: torch.cuda.Stream) -> list[list[Any]]:
+        """The nodes of one more capture of ``key`` on ``make_step``'s data, in a pool of its
+        own (freed with the graph on return)."""
+        step = make_step(*key)
+        padding = self._padding_of(step, key)
+        with step_context(step, padding):
+            self.prepare(step, padding)
+        views = self.inputs.copy_in(step.inputs, padding)
+        graph = capture_bucket(self.forward, views, step, padding, torch.cuda.graph_pool_handle(), stream,
+                               guard=False, keep_graph=True)
+        return graph.segment_nodes()
+
+    def _drop(self, key: Key, reason: str) -> None:
+        """Drop a graph that failed a check; its steps run eagerly, the report keeps why."""
+        self._graphs.pop(key, None)
+        self._unavailable.add(key)
+        self.failures[key] = reason
+        stats = self.stats.bucket(*key)
+        stats.status, stats.reason = "dropped", reason

@@ -63,6 +63,7 @@ class BreakableGraph:
     output: Any
     capture_ms: float = 0.0
     memory_bytes: int = 0
+    kept: bool = False  # each segment keeps its cudaGraph_t (its nodes can be read)
 
     @property
     def num_segments(self) -> int:
@@ -77,12 +78,31 @@ class BreakableGraph:
             item.run()
         return self.output
 
+    def segment_labels(self) -> list[str]:
+        """``segment i (after splice 'name')`` per graph segment, in order."""
+        labels, last = [], "the start of the forward"
+        for item in self.items:
+            if isinstance(item, SpliceCall):
+                last = f"splice {item.op.name!r}"
+            else:
+                labels.append(f"segment {item.index} (after {last})")
+        return labels
+
+    def segment_nodes(self) -> list[list[Any]]:
+        """Each segment's graph nodes (``graphcap.graph_nodes``); needs ``kept``."""
+        from .graph_nodes import graph_nodes
+
+        if not self.kept:
+            raise ValueError("the graph was captured without keep_graph; its nodes are gone")
+        return [graph_nodes(i.graph.raw_cuda_graph()) for i in self.items if isinstance(i, GraphSegment)]
+
 
 class _Recorder:
     """Splice driver for capture: closes and reopens graph segments around each splice."""
 
-    def __init__(self, pool: Any, guard: CaptureGuard | None, padding: Padding) -> None:
+    def __init__(self, pool: Any, guard: CaptureGuard | None, padding: Padding, keep_graph: bool = False) -> None:
         self.pool = pool
+        self.keep_graph = keep_graph
         self.guard = guard
         self.padding = padding
         self.full = padding.whole_graph
@@ -90,7 +110,7 @@ class _Recorder:
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def begin(self) -> None:
-        self._graph = torch.cuda.CUDAGraph()
+        self._graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph)
         index = len([i for i in self.items if isinstance(i, GraphSegment)])
         if self.guard is not None:
             self.guard.segment = f"segment {index} (after {self._last_splice()})"
@@ -103,6 +123,8 @@ class _Recorder:
             # Two adjacent splices leave an empty segment; replaying it is harmless.
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             graph.capture_end()
+        if self.keep_graph:
+            graph.instantiate()
         self.items.append(GraphSegment(len([i for i in self.items if isinstance(i, GraphSegment)]), graph))
 
     def abort(self) -> None:
@@ -198,18 +220,20 @@ def frozen_gc() -> Iterator[None]:
 
 def capture_bucket(
     forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding, pool: Any,
-    stream: torch.cuda.Stream, guard: bool = True,
+    stream: torch.cuda.Stream, guard: bool = True, keep_graph: bool = False,
 ) -> BreakableGraph:
     """Capture one bucket's forward (``padding.rows`` rows; a whole graph if
     ``padding.whole_graph``) on ``stream`` into ``pool``, producer code under the capture
-    guard unless ``guard`` is False.
+    guard unless ``guard`` is False (the manager guards one warm-up run of the same shapes
+    instead, so producers are checked once per bucket, not twice). ``keep_graph``
+    keeps each segment's ``cudaGraph_t`` for ``BreakableGraph.segment_nodes``.
 
     Raises:
         CaptureViolation: producer code synced with the host or read a CPU tensor.
         RuntimeError: a whole-graph capture met a splice that is not graph-safe.
     """
     checker = CaptureGuard(inputs[next(iter(inputs))].device) if guard else None
-    recorder = _Recorder(pool, checker, padding)
+    recorder = _Recorder(pool, checker, padding, keep_graph)
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()
@@ -230,4 +254,5 @@ def capture_bucket(
         output=out,
         capture_ms=(time.perf_counter() - start) * 1e3,
         memory_bytes=max(0, free_before - torch.cuda.mem_get_info()[0]),
+        kept=keep_graph,
     )

@@ -42,8 +42,15 @@ class CaptureStats:
     dropped_fallbacks: int = 0  # steps whose bucket was dropped or skipped, run eagerly
     invalidations: int = 0
     recaptures: int = 0
-    capture_ms: float = 0.0
-    memory_mib: float = 0.0
+    capture_ms: float = 0.0  # sum of the graphs' capture times
+    memory_mib: float = 0.0  # sum of the graphs' memory (device memory each capture took)
+    pool_mib: float = 0.0  # the graph pool's size after the last capture
+    # Start-up phases of the last capture, in seconds (see CaptureManager.capture).
+    jit_s: float = 0.0
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+    validate_s: float = 0.0
+    frozen_s: float = 0.0
 
     def bucket(self, bucket: int, full: bool) -> BucketStats:
         key = (bucket, full)

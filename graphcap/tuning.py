@@ -10,8 +10,12 @@ inside a graph, and kept for the report (``graphcap.report.choices_table``).
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Hashable, Mapping
 
 import torch
@@ -29,6 +33,46 @@ class KernelChoice:
     chosen: str
     timings_us: dict[str, float | None] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    cached: bool = False  # taken from the choice store (validated, not timed again)
+
+
+class ChoiceStore:
+    """Kernel choices on disk (``graphcap.jit_cache.kernel_choices_file``), per namespace (the
+    GPU and software versions), so a second start skips timing. A stored name is only a hint:
+    the tuner validates it against the reference before using it.
+
+    Args:
+        path: the JSON file (created on the first ``put``).
+        namespace: e.g. ``"NVIDIA H200|torch 2.11|triton 3.6"``.
+    """
+
+    def __init__(self, path: Path, namespace: str) -> None:
+        self.path, self.namespace = Path(path), namespace
+        try:
+            data = json.loads(self.path.read_text())
+            self._choices: dict[str, str] = dict(data.get(namespace, {}))
+        except (OSError, ValueError, AttributeError):
+            self._choices = {}
+
+    def get(self, entry: str) -> str | None:
+        return self._choices.get(entry)
+
+    def put(self, entry: str, name: str) -> None:
+        """Record a choice and rewrite the file atomically (other namespaces are kept)."""
+        self._choices[entry] = name
+        try:
+            data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        except (OSError, ValueError):
+            data = {}
+        data[self.namespace] = self._choices
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only cache directory costs only the timing on the next start
 
 
 class KernelTuner:
@@ -38,11 +82,13 @@ class KernelTuner:
         time_candidates: time the passing candidates (CUDA events) and pick the fastest; when
             False (CPU, the interpreter) the first passing candidate is chosen.
         iters: timed runs per candidate (median).
+        store: timed choices persisted across processes (``ChoiceStore``); ``None``: none.
     """
 
-    def __init__(self, time_candidates: bool, iters: int = 10) -> None:
+    def __init__(self, time_candidates: bool, iters: int = 10, store: ChoiceStore | None = None) -> None:
         self.time_candidates = time_candidates
         self.iters = iters
+        self.store = store
         self.choices: dict[tuple[str, Hashable], KernelChoice] = {}
 
     def get(self, op: str, key: Hashable) -> str | None:
@@ -51,11 +97,13 @@ class KernelTuner:
         return None if choice is None else choice.chosen
 
     def choose(self, op: str, key: Hashable, candidates: Mapping[str, Callable[[], torch.Tensor]],
-               reference: Callable[[], torch.Tensor], tol: float) -> str:
+               reference: Callable[[], torch.Tensor], tol: float, signature: str = "") -> str:
         """Validate every candidate against ``reference`` on its probe input, pick the fastest
         passing one (in ``candidates`` order when not timing), remember and return its name.
 
-        Each callable runs the op on the same probe input and returns the output tensor.
+        Each callable runs the op on the same probe input and returns the output tensor. With a
+        store, a stored choice for ``(op, key, signature)`` (``signature``: the shapes and
+        dtypes the key leaves out) is validated alone and used when it passes.
 
         Raises:
             RuntimeError: no candidate matches the reference (the op cannot run correctly).
@@ -63,24 +111,15 @@ class KernelTuner:
         if (op, key) in self.choices:
             return self.choices[(op, key)].chosen
         want = reference().detach().clone()
-        passing: list[str] = []
+        entry = f"{op}|{key!r}|{signature}"
+        stored = self.store.get(entry) if self.store is not None and self.time_candidates else None
         choice = KernelChoice(op, key, chosen="")
-        for name, run in candidates.items():
-            try:
-                got = run()
-            except Exception as e:  # a candidate that cannot run is rejected, not fatal
-                choice.rejected[name] = f"raised {type(e).__name__}: {str(e)[:200]}"
-                continue
-            if got.shape != want.shape:
-                choice.rejected[name] = f"output shape {tuple(got.shape)} != reference {tuple(want.shape)}"
-            elif not torch.isfinite(got).all():
-                choice.rejected[name] = "non-finite output"
-            else:
-                err = relative_error(got.float(), want.float())
-                if err > tol:
-                    choice.rejected[name] = f"relative error {err:.3g} > {tol:g} against the reference"
-                else:
-                    passing.append(name)
+        if stored in candidates and self._passes(stored, candidates[stored], want, tol, choice):
+            choice.chosen, choice.cached, choice.timings_us[stored] = stored, True, None
+            self.choices[(op, key)] = choice
+            return stored
+        passing = [name for name, run in candidates.items()
+                   if name not in choice.rejected and self._passes(name, run, want, tol, choice)]
         if not passing:
             raise RuntimeError(f"no candidate of {op} for {key!r} matches the reference: {choice.rejected}")
         for name in passing:
@@ -90,7 +129,30 @@ class KernelTuner:
         timed = {n: t for n, t in choice.timings_us.items() if t is not None}
         choice.chosen = min(timed, key=timed.__getitem__) if timed else passing[0]
         self.choices[(op, key)] = choice
+        if self.store is not None and self.time_candidates:
+            self.store.put(entry, choice.chosen)
         return choice.chosen
+
+    @staticmethod
+    def _passes(name: str, run: Callable[[], torch.Tensor], want: torch.Tensor, tol: float,
+                choice: KernelChoice) -> bool:
+        """Run one candidate and check it against the reference output; a failure is recorded
+        in ``choice.rejected``."""
+        try:
+            got = run()
+        except Exception as e:  # a candidate that cannot run is rejected, not fatal
+            choice.rejected[name] = f"raised {type(e).__name__}: {str(e)[:200]}"
+            return False
+        if got.shape != want.shape:
+            choice.rejected[name] = f"output shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+        elif not torch.isfinite(got).all():
+            choice.rejected[name] = "non-finite output"
+        else:
+            err = relative_error(got.float(), want.float())
+            if err <= tol:
+                return True
+            choice.rejected[name] = f"relative error {err:.3g} > {tol:g} against the reference"
+        return False
 
     def _time(self, run: Callable[[], torch.Tensor]) -> float:
         """Median GPU time of ``run`` in us, from CUDA-graph replays (the way the candidate will

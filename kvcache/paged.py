@@ -12,6 +12,12 @@ batch can finish and be replaced at once; a row costs only ``max_pages_per_seq``
 one more row, ``pad_seq_slot``, that is never assigned and stays all ``-1``: padded metadata
 rows point at it, so a graph replayed with padding reads an empty sequence.
 
+Capture reserve: graph capture, validation and recapture run dummy steps. Their block-table
+rows (``capture_rows``) and pages (``capture_pages``) are set aside here and never handed to
+requests, so a recapture while serving at full capacity needs nothing from live requests.
+All capture sequences share the capture pages; the runner lays their tokens out at distinct
+positions, so no two tokens of one dummy step write the same slot.
+
 Cache writes by slot ``-1`` (padding) must touch no real page. The torch writer redirects them
 to a private sink page stored after the last real page in every layer; the sink is never
 handed out and ``k_cache``/``v_cache``/``index_k_cache`` are views that exclude it.
@@ -47,6 +53,8 @@ class KVCacheConfig:
         device: where the caches live.
         seq_slot_headroom: extra assignable block-table rows beyond ``max_seqs``; ``None``
             means ``max_seqs`` (see the module docstring).
+        capture_rows, capture_pages: block-table rows and pages reserved for the dummy steps of
+            capture and validation (see the module docstring); 0 when nothing is captured.
     """
 
     num_layers: int
@@ -62,6 +70,8 @@ class KVCacheConfig:
     index_dtype: torch.dtype = torch.bfloat16
     device: torch.device | str = "cpu"
     seq_slot_headroom: int | None = None
+    capture_rows: int = 0
+    capture_pages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "index_dim", "page_size", "num_pages",
@@ -85,9 +95,10 @@ class KVCacheConfig:
             raise ValueError(f"KVCacheConfig.device {self.device!r} is not a torch device") from None
         if self.seq_slot_headroom is None:
             object.__setattr__(self, "seq_slot_headroom", self.max_seqs)
-        h = self.seq_slot_headroom
-        if not is_int(h) or h < 0:
-            raise ValueError(f"KVCacheConfig.seq_slot_headroom must be an int >= 0, got {h!r}")
+        for name in ("seq_slot_headroom", "capture_rows", "capture_pages"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 0:
+                raise ValueError(f"KVCacheConfig.{name} must be an int >= 0, got {v!r}")
 
     @property
     def max_live_seqs(self) -> int:
@@ -96,8 +107,13 @@ class KVCacheConfig:
 
     @property
     def max_seq_slots(self) -> int:
-        """Block-table rows: the assignable ones plus the pad row."""
-        return self.max_live_seqs + 1
+        """Block-table rows: the assignable ones, the capture rows and the pad row."""
+        return self.max_live_seqs + self.capture_rows + 1
+
+    @property
+    def total_pages(self) -> int:
+        """Pages per layer that attention may read: the assignable ones plus the capture pages."""
+        return self.num_pages + self.capture_pages
 
     @property
     def max_seq_len(self) -> int:
@@ -108,8 +124,9 @@ class PagedKVCache:
     """Paged caches plus per-sequence page bookkeeping.
 
     Attributes:
-        k_cache, v_cache: ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
-        index_k_cache: ``[num_sparse_layers, num_pages, page_size, index_dim]``.
+        k_cache, v_cache: ``[num_layers, total_pages, page_size, num_kv_heads, head_dim]``
+            (``total_pages = num_pages + capture_pages``).
+        index_k_cache: ``[num_sparse_layers, total_pages, page_size, index_dim]``.
         block_tables: ``int32 [max_seq_slots, max_pages_per_seq]`` on the cache device, ``-1``
             where unused; row ``pad_seq_slot`` is always all ``-1``.
     """
@@ -121,21 +138,26 @@ class PagedKVCache:
         self.num_pages = c.num_pages
         dev = c.device
         # One extra page per layer: the sink that slot -1 writes land in (see module docstring).
-        self._k_store = torch.zeros(c.num_layers, c.num_pages + 1, c.page_size, c.num_kv_heads, c.head_dim,
+        total = c.total_pages
+        self._k_store = torch.zeros(c.num_layers, total + 1, c.page_size, c.num_kv_heads, c.head_dim,
                                     dtype=c.dtype, device=dev)
         self._v_store = torch.zeros_like(self._k_store)
-        self._ik_store = torch.zeros(len(c.sparse_layers), c.num_pages + 1, c.page_size, c.index_dim,
+        self._ik_store = torch.zeros(len(c.sparse_layers), total + 1, c.page_size, c.index_dim,
                                      dtype=c.index_dtype, device=dev)
-        self.k_cache = self._k_store[:, : c.num_pages]
-        self.v_cache = self._v_store[:, : c.num_pages]
-        self.index_k_cache = self._ik_store[:, : c.num_pages]
-        self._sink_slot = c.num_pages * c.page_size
+        self.k_cache = self._k_store[:, :total]
+        self.v_cache = self._v_store[:, :total]
+        self.index_k_cache = self._ik_store[:, :total]
+        self._sink_slot = total * c.page_size
         self.block_tables = torch.full((c.max_seq_slots, c.max_pages_per_seq), -1, dtype=torch.int32, device=dev)
         self.pad_seq_slot = c.max_seq_slots - 1
         self._sparse_ordinal = {layer: i for i, layer in enumerate(c.sparse_layers)}
         # Host mirror. Free lists are stacks so the most recently freed page/row is reused first.
         self._free_pages: list[int] = list(range(c.num_pages - 1, -1, -1))
         self._free_rows: list[int] = list(range(c.max_live_seqs - 1, -1, -1))
+        # The capture reserve: rows after the assignable ones, pages after the assignable ones.
+        self._capture_pages = list(range(c.num_pages, total))
+        self._free_capture_rows: list[int] = list(range(c.max_live_seqs + c.capture_rows - 1, c.max_live_seqs - 1, -1))
+        self._capture_seqs: set[Hashable] = set()
         self._pages: dict[Hashable, list[int]] = {}
         self._row: dict[Hashable, int] = {}
         self._written: dict[Hashable, int] = {}  # positions < this hold this sequence's K/V
@@ -189,6 +211,35 @@ class PagedKVCache:
         self._row[seq_id] = row
         self._pages[seq_id] = []
         self._written[seq_id] = 0
+        return row
+
+    def add_capture_sequence(self, seq_id: Hashable, first_page: int, num_written: int) -> int:
+        """A dummy sequence for capture and validation on the capture reserve: a capture row
+        whose pages are capture pages ``first_page, first_page + 1, ...`` (shared with the other
+        capture sequences; never returned to the free list) with positions ``< num_written``
+        counted as written. Returns its row.
+
+        Raises:
+            ValueError: ``seq_id`` is live, or ``first_page`` outside the capture pages.
+            RuntimeError: every capture row is taken (raise ``capture_rows``).
+        """
+        c = self.config
+        if seq_id in self._row:
+            raise ValueError(f"sequence {seq_id!r} is already in the cache (block-table row {self._row[seq_id]})")
+        if not 0 <= first_page < len(self._capture_pages):
+            raise ValueError(f"capture page {first_page} is outside the {len(self._capture_pages)} capture pages "
+                             f"(KVCacheConfig.capture_pages)")
+        if not self._free_capture_rows:
+            raise RuntimeError(f"all {c.capture_rows} capture rows are in use (KVCacheConfig.capture_rows); "
+                               f"release the previous dummy requests first")
+        pages = self._capture_pages[first_page : first_page + c.max_pages_per_seq]
+        if num_written > len(pages) * self.page_size:
+            raise ValueError(f"capture sequence {seq_id!r}: {num_written} written positions exceed its "
+                             f"{len(pages) * self.page_size} capture positions")
+        row = self._free_capture_rows.pop()
+        self._row[seq_id], self._pages[seq_id], self._written[seq_id] = row, list(pages), num_written
+        self._capture_seqs.add(seq_id)
+        self.block_tables[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.block_tables.device)
         return row
 
     def seq_slot(self, seq_id: Hashable) -> int:
@@ -248,6 +299,9 @@ class PagedKVCache:
         need = self.pages_needed(seq_id, num_tokens)
         if need <= 0:
             return
+        if seq_id in self._capture_seqs:
+            raise ValueError(f"capture sequence {seq_id!r} needs {num_tokens} positions, beyond its capture pages; "
+                             f"raise KVCacheConfig.capture_pages")
         if need > len(self._free_pages):
             raise RuntimeError(
                 f"out of KV pages: sequence {seq_id!r} needs {need} more page(s) for {num_tokens} positions "
@@ -268,6 +322,10 @@ class PagedKVCache:
         del self._written[seq_id]
         if pages:
             self.block_tables[row, : len(pages)] = -1
+        if seq_id in self._capture_seqs:  # its pages are the shared capture pages: they stay reserved
+            self._capture_seqs.discard(seq_id)
+            self._free_capture_rows.append(row)
+            return
         # Reversed so the sequence's first page is the next one handed out.
         self._free_pages.extend(reversed(pages))
         self._free_rows.append(row)

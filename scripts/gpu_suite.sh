@@ -6,7 +6,8 @@
 #   scripts/gpu_suite.sh tests moe producers  # a subset, in the order given
 #
 # Parts: tests, toy, kernels (attention kernels), moe, routernorm, tiles, profile (16-layer
-# rank-of-8 profile), producers (60-layer producer benchmark), or a pytest path.
+# rank-of-8 profile), producers (60-layer producer benchmark), startup (60-layer start-up: cold
+# and warm start, phases, memory per bucket), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -31,7 +32,7 @@ status=0
   python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
 } 2>&1 | tee "$LOG"
 budget() {  # per-part time box in seconds: PART_TIMEOUT_<PART> or the default
-  local v="PART_TIMEOUT_${1^^}"; echo "${!v:-${PART_TIMEOUT:-900}}"
+  local v="PART_TIMEOUT_${1^^}"; v=${v//[^A-Z0-9_]/_}; echo "${!v:-${PART_TIMEOUT:-900}}"
 }
 for part in "${parts[@]}"; do
   echo "=== $part ($(date +%T)) ===" | tee -a "$LOG"
@@ -44,6 +45,12 @@ for part in "${parts[@]}"; do
     routernorm) $T python3 benchmarks/bench_m3_router_norm.py --json "$OUT/bench_m3_router_norm.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     tiles)      $T python3 benchmarks/bench_prefill_tiles.py --json "$OUT/bench_prefill_tiles.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     profile)    $T python3 examples/profile_forward.py --preset rank-of-8 --layers 16 --decode 1,2,4,8,16,32 --context 3000 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    startup)    # two starts on one cache directory: cold (empty), then warm (what the first wrote)
+                export GRAPHCAP_CACHE_DIR=${GRAPHCAP_CACHE_DIR:-/tmp/graphcap-cache}; rm -rf "$GRAPHCAP_CACHE_DIR"
+                $T python3 benchmarks/bench_startup.py --frozen --json "$OUT/bench_startup_cold.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+                if [ "$rc" -eq 0 ]; then
+                  $T python3 benchmarks/bench_startup.py --profile-bucket 0 --json "$OUT/bench_startup_warm.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+                fi ;;
     producers)  $T python3 benchmarks/bench_m3_producers.py --json "$OUT/bench_m3_producers.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac

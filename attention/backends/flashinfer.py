@@ -36,7 +36,7 @@ import torch
 
 from attention.base import AttentionBackend, device_tensors
 from attention.dims import AttentionDims
-from graphcap import Padding, Step
+from graphcap import Padding, Step, jit_cache
 from kvcache.paged import PagedKVCache
 
 _INSTALL_HINT = "install it with the 'cuda' extra: pip install 'graphcap[cuda]' (package flashinfer-python)"
@@ -49,6 +49,7 @@ def import_flashinfer() -> Any:
         ImportError: flashinfer is not installed; says how to install it.
     """
     try:
+        jit_cache.configure()  # flashinfer reads its JIT cache location when imported
         return importlib.import_module("flashinfer")
     except ImportError as e:
         raise ImportError(f"the flashinfer attention backend needs flashinfer: {_INSTALL_HINT} ({e})") from e
@@ -150,7 +151,7 @@ class FlashinferAttention(AttentionBackend):
         self._last_page_len_buf = torch.zeros(rows, dtype=torch.int32, device=device)
         # A step's requests hold distinct pages, so a step never lists more than the pool
         # (warmup lists one page per decode row, hence the max).
-        self._indices_buf = torch.zeros(max(c.num_pages, rows), dtype=torch.int32, device=device)
+        self._indices_buf = torch.zeros(max(c.total_pages, rows), dtype=torch.int32, device=device)
         self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace_buf, "NHD",
                                                                      backend=prefill_backend)
         self._decode: dict[int, Any] = {}

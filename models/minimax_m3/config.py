@@ -176,9 +176,12 @@ class MiniMaxM3Config:
         device: torch.device | str = "cpu",
         page_size: int | None = None,
         seq_slot_headroom: int | None = None,
+        capture_rows: int = 0,
+        capture_pages: int = 0,
     ) -> KVCacheConfig:
         """The paged-cache sizes this model needs (kv heads, head dims, sparse layers, page
-        size = sparse block). ``dtype``/``index_dtype`` default to the model dtype.
+        size = sparse block). ``dtype``/``index_dtype`` default to the model dtype;
+        ``capture_rows``/``capture_pages`` reserve room for capture's dummy steps.
 
         Raises:
             ValueError: ``page_size`` given and different from ``sparse_block_size``.
@@ -191,7 +194,7 @@ class MiniMaxM3Config:
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, index_dim=self.sparse_index_dim,
             page_size=self.sparse_block_size, num_pages=num_pages, max_seqs=max_seqs,
             max_pages_per_seq=max_pages_per_seq, dtype=dt, index_dtype=index_dtype or dt, device=device,
-            seq_slot_headroom=seq_slot_headroom,
+            seq_slot_headroom=seq_slot_headroom, capture_rows=capture_rows, capture_pages=capture_pages,
         )
 
     # ----- presets ---------------------------------------------------------------------

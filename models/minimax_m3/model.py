@@ -21,6 +21,7 @@ from torch import nn
 
 from attention.base import AttentionBackend
 from attention.rope import rope_inv_freq
+from graphcap.scratch import SpliceBuffers
 from kvcache.paged import PagedKVCache
 
 from .config import MiniMaxM3Config
@@ -39,6 +40,8 @@ class LayerInputs(NamedTuple):
             the routed experts (``None``: every row is real).
         inv_freq: fp32 ``[rotary_dim // 2]`` rotary table.
         cache, backend, ops: the paged cache, the attention backend and the op table.
+        buffers: the activations that cross the attention splice (``q``, ``index_q``,
+            ``attn_out``), one set shared by every layer and every bucket.
     """
 
     positions: torch.Tensor
@@ -48,6 +51,7 @@ class LayerInputs(NamedTuple):
     cache: PagedKVCache
     backend: AttentionBackend
     ops: M3Ops
+    buffers: SpliceBuffers
 
 
 class M3Attention(nn.Module):
@@ -73,12 +77,13 @@ class M3Attention(nn.Module):
         """x: normed hidden ``[T, H]`` -> the o_proj output ``[T, H]``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        iq = (torch.empty(t, self.num_index_heads, self.index_dim, dtype=x.dtype, device=x.device) if self.sparse
-              else None)
+        # q, index-q and the attention output cross the splice: shared buffers, not per-layer
+        # allocations a captured splice would keep alive (see graphcap.scratch).
+        q = li.buffers.view("q", t)
+        iq = li.buffers.view("index_q", t) if self.sparse else None
         li.ops.norm_rope_write(self, qkv, li.positions, li.inv_freq, li.slot_mapping, li.cache, q, iq)
         # Rows the attention op leaves untouched (padding) must not carry garbage into o_proj.
-        out = torch.zeros_like(q)
+        out = li.buffers.view("attn_out", t).zero_()
         if self.sparse:
             li.backend.sparse(self.layer, q, iq, out)
         else:
@@ -156,12 +161,14 @@ class MiniMaxM3ForCausalLM(nn.Module):
                              persistent=False)
         self.cache: PagedKVCache | None = None
         self.backend: AttentionBackend | None = None
+        self.splice_buffers: SpliceBuffers | None = None
         if cache is not None or backend is not None:
             self.attach(cache, backend)
 
     def attach(self, cache: PagedKVCache | None, backend: AttentionBackend | None) -> None:
         """Use ``cache`` and ``backend``; their shapes must match the config (checked here,
-        once, so the forward needs no checks)."""
+        once, so the forward needs no checks). Allocates the splice buffers for the backend's
+        step capacity (``backend.dims.max_tokens`` rows)."""
         if cache is None or backend is None:
             raise ValueError("attach needs both the cache and the attention backend")
         c, kc = self.config, cache.config
@@ -182,6 +189,15 @@ class MiniMaxM3ForCausalLM(nn.Module):
         if not math.isclose(d.scale, c.head_dim**-0.5):
             raise ValueError(f"backend scale={d.scale} must be head_dim**-0.5")
         self.cache, self.backend = cache, backend
+        dev = cache.block_tables.device
+        buf = self.splice_buffers
+        if buf is None or buf.max_rows != d.max_tokens or buf.device != dev:
+            buf = SpliceBuffers(d.max_tokens, dev)
+            buf.add("q", (c.num_attention_heads, c.head_dim), self.dtype)
+            buf.add("attn_out", (c.num_attention_heads, c.head_dim), self.dtype)
+            if c.sparse_layers:
+                buf.add("index_q", (c.sparse_num_index_heads, c.sparse_index_dim), self.dtype)
+            self.splice_buffers = buf
 
     def hidden_states(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden_size]`` (model dtype).
@@ -191,11 +207,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 (padding: 0), ``slot_mapping`` int64 ``[T]`` (padding: -1) and optionally
                 ``num_real_tokens`` (device int64 ``[1]``; rows past it are padding).
         """
-        cache, backend = self.cache, self.backend
-        if cache is None or backend is None:
+        cache, backend, buffers = self.cache, self.backend, self.splice_buffers
+        if cache is None or backend is None or buffers is None:
             raise RuntimeError("attach(cache, backend) before running the forward")
         li = LayerInputs(inputs["positions"], inputs["slot_mapping"], inputs.get("num_real_tokens"),
-                         self.rope_inv_freq, cache, backend, self.ops)
+                         self.rope_inv_freq, cache, backend, self.ops, buffers)
         x, residual = self.model.embed_tokens(inputs["input_ids"]), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, li)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from graphcap.tuning import KernelTuner
+from graphcap.tuning import ChoiceStore, KernelTuner
 from kvcache.paged import PagedKVCache
 
 from .kernels.producer import norm_rope_cache_write, norm_rope_torch
@@ -188,8 +188,10 @@ class FusedMoE:
             return fused_moe_torch(x, ids, w, moe.experts.w13, moe.experts.w2, sh.gate_up_proj.weight,
                                    sh.down_proj.weight, moe.alpha, moe.limit, out)
 
+        e, two_i, h = moe.experts.w13.shape
+        signature = f"E{e} 2I{two_i} H{h} k{moe.top_k} shared{sh.gate_up_proj.weight.shape[0]} {dtype}"
         name = self.tuner.choose("moe", num_tokens, candidates, reference,
-                                 tol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+                                 tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature)
         self._configs[num_tokens] = by_name[name]
 
 
@@ -220,6 +222,19 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 if device.type == "cuda" else True
 
 
+def choice_store(device: torch.device) -> ChoiceStore | None:
+    """The on-disk kernel choices for this GPU and software versions (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    import triton
+
+    from graphcap import jit_cache
+
+    jit_cache.configure()
+    namespace = f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|triton {triton.__version__}"
+    return ChoiceStore(jit_cache.kernel_choices_file(), namespace)
+
+
 def make_ops(producer: str, device: torch.device | str | None, dtype: torch.dtype, moe_impl: str = "auto") -> M3Ops:
     """The op table for ``producer``: ``triton`` (fused kernels; ``auto`` on CUDA) or ``torch``
     (``auto`` elsewhere). ``moe_impl`` picks the torch MoE: ``grouped`` (``torch._grouped_mm``
@@ -236,7 +251,7 @@ def make_ops(producer: str, device: torch.device | str | None, dtype: torch.dtyp
     if producer == "auto":
         producer = "triton" if dev.type == "cuda" else "torch"
     if producer == "triton":
-        tuner = KernelTuner(time_candidates=dev.type == "cuda")
+        tuner = KernelTuner(time_candidates=dev.type == "cuda", store=choice_store(dev))
         return M3Ops("triton", norm_rope_write_triton, rmsnorm_triton, add_rmsnorm_triton, mlp_triton,
                      FusedMoE(tuner), tuner)
     if moe_impl == "auto":

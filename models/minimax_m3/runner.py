@@ -89,7 +89,8 @@ class M3Runner:
                               self.max_tokens, self.device)
         m = CaptureManager(self.model.hidden_states, static, capture, prepare=self._prepare,
                            dummy_step=self.dummy_step, before_capture=self._before_capture,
-                           request_capacity=self.max_seqs)
+                           request_capacity=self.max_seqs,
+                           sample_step=lambda bucket, whole: self.dummy_step(bucket, whole, variant=1))
         cache, builder, backend = self.cache, self.builder, self.backend
         m.register("model", self.model)
         m.register("kv_cache", lambda: {"k": cache.k_cache, "v": cache.v_cache, "index_k": cache.index_k_cache},
@@ -97,6 +98,7 @@ class M3Runner:
         m.register("block_tables", lambda: {"block_tables": cache.block_tables})
         m.register("metadata", lambda: builder.buffers.tensors())
         m.register("attention", backend.graph_tensors)
+        m.register("splice_buffers", lambda: self.model.splice_buffers.tensors())
         return m
 
     def with_capture(self, capture: CaptureConfig) -> "M3Runner":
@@ -114,8 +116,12 @@ class M3Runner:
         self.backend.plan(step, padding)
 
     def _before_capture(self, manager: CaptureManager) -> None:
+        """JIT builds and kernel choices before any warm-up or capture: the backend's graph
+        state and flashinfer modules, and the op table's tuned kernels for every bucket size."""
         self.backend.init_capture(manager.whole_buckets, self.max_seqs)
         self.backend.warmup()
+        for rows in sorted({b for b, _ in manager.keys()}):
+            self.model.ops.prepare(self.model, rows)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, seq_id: Hashable) -> None:
@@ -152,9 +158,22 @@ class M3Runner:
             self.release_dummies()
 
     def validate(self) -> dict:
-        """Replay vs eager per bucket on random tokens (see ``CaptureManager.validate``)."""
+        """Replay vs eager per bucket on other dummy data than the capture's (``dummy_step``
+        variant 1), then frozen-value detection (variant 2) when the capture config asks for
+        it (see ``CaptureManager.validate`` and ``detect_frozen``)."""
         try:
-            return self.manager.validate(lambda bucket, whole: self.dummy_step(bucket, whole, random_tokens=True))
+            failures = self.manager.validate(frozen=False)
+            if self.manager.config.detect_frozen:
+                failures.update(self.detect_frozen())
+            return failures
+        finally:
+            self.release_dummies()
+
+    def detect_frozen(self) -> dict:
+        """Capture every graph again on variant-1 dummy data and compare kernel nodes (see
+        ``CaptureManager.detect_frozen``); needs ``CaptureConfig(detect_frozen=True)``."""
+        try:
+            return self.manager.detect_frozen(lambda bucket, whole: self.dummy_step(bucket, whole, variant=2))
         finally:
             self.release_dummies()
 
@@ -200,28 +219,56 @@ class M3Runner:
         return out
 
     # ---- dummy steps for warm-up, capture and validation -------------------------------
-    def dummy_step(self, bucket: int, whole_graph: bool, random_tokens: bool = False) -> Step:
-        """A step of ``bucket`` tokens over private requests (freed by ``release_dummies``):
-        ``bucket`` one-token requests for a whole decode graph, else prefill chunks.
+    def dummy_step(self, bucket: int, whole_graph: bool, variant: int = 0) -> Step:
+        """A step of ``bucket`` rows over private requests on the cache's capture reserve
+        (freed by ``release_dummies``; live requests' rows and pages are never used).
+
+        Every token of the step sits at its own position of the shared capture pages (token
+        ``g`` at capture position ``g``), so no two tokens write one slot, and each request
+        reads only positions this step wrote.
+
+        Args:
+            bucket: token rows.
+            whole_graph: ``bucket`` one-token requests (a uniform decode), else prefill chunks.
+            variant: 0 for warm-up and capture (token 0, every row real); 1 for validation:
+                random tokens, other positions, two chunks for a segmented bucket, every row
+                real (graph and eager then run the same shapes and must agree to rounding);
+                2 for frozen-value detection: variant 1 with a quarter fewer real tokens, so
+                that any host value of the step baked into a graph differs from the capture's.
 
         Raises:
             ValueError: a whole-graph bucket above ``max_seqs``.
-            RuntimeError: no free pages or block-table rows for the dummy requests.
+            RuntimeError: the cache's capture reserve is too small for the step.
         """
         self.release_dummies()
         if whole_graph and bucket > self.max_seqs:
             raise ValueError(f"a whole decode graph of {bucket} tokens needs {bucket} requests but max_seqs="
                              f"{self.max_seqs}; keep whole-graph buckets <= max_seqs")
-        max_len = self.cache.config.max_seq_len
-        sizes = [1] * bucket if whole_graph else [min(max_len, bucket - i) for i in range(0, bucket, max_len)]
-        gen = torch.Generator().manual_seed(bucket)
+        n = max(1, bucket - bucket // 4) if variant == 2 else bucket
+        if whole_graph:  # request i at capture position i (variant 1: reversed, shifted up)
+            spans = [(i if variant == 0 else bucket - 1 - i, 1) for i in range(n)]
+        else:
+            cuts = [0, n] if variant == 0 or n < 2 else [0, n // 2, n]
+            spans = [(a, b - a) for a, b in zip(cuts, cuts[1:])]
+        ps = self.cache.page_size
+        spans = _fit_windows(spans, ps, self.cache.config.max_seq_len)
+        gen = torch.Generator().manual_seed(bucket * 2 + variant)
+        c = self.cache.config
         chunks = []
-        for i, n in enumerate(sizes):
+        for i, (g, m) in enumerate(spans):
             sid = (DUMMY, i)
-            self.cache.add_sequence(sid)
+            try:
+                self.cache.add_capture_sequence(sid, g // ps, g % ps)
+            except (RuntimeError, ValueError) as e:
+                self.release_dummies()
+                raise RuntimeError(
+                    f"the KV cache's capture reserve (capture_rows={c.capture_rows}, capture_pages={c.capture_pages}) "
+                    f"cannot hold the dummy step of bucket {bucket}: {e}. Build the cache with "
+                    f"capture_reserve(max_tokens, max_seqs, page_size, max_seq_len) rows and pages"
+                ) from None
             self._dummies.append(sid)
-            ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=gen) if random_tokens else [0] * n
-            chunks.append(TokenChunk(sid, 0, ids))
+            ids = torch.randint(0, self.model.config.vocab_size, (m,), generator=gen) if variant else [0] * m
+            chunks.append(TokenChunk(sid, g % ps, ids))
         return self.make_step(chunks)
 
     @property
@@ -236,12 +283,36 @@ class M3Runner:
         self._dummies = []
 
 
+def _fit_windows(spans: list[tuple[int, int]], page_size: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """Split ``(first capture position, tokens)`` spans so each fits one request: a request
+    starting at position ``g`` sees capture pages from ``g // page_size`` on, ``max_seq_len``
+    positions in all."""
+    out = []
+    for g, m in spans:
+        while m > 0:
+            take = min(m, max_seq_len - g % page_size)
+            out.append((g, take))
+            g, m = g + take, m - take
+    return out
+
+
+def capture_reserve(max_tokens: int, max_seqs: int, page_size: int, max_seq_len: int) -> tuple[int, int]:
+    """Block-table rows and pages ``M3Runner.dummy_step`` needs on the cache's capture reserve:
+    a row per dummy request (a whole decode graph of ``max_seqs`` requests, or a segmented
+    bucket's chunks) and a page per ``page_size`` capture positions (one per token)."""
+    chunks = len(_fit_windows([(0, max_tokens // 2), (max_tokens // 2, max_tokens - max_tokens // 2)],
+                              page_size, max_seq_len))
+    return max(max_seqs, chunks), -(-max(max_tokens, max_seqs) // page_size)
+
+
 def _build(model: MiniMaxM3ForCausalLM, device: torch.device | str, backend: str, max_tokens: int, max_seqs: int,
            max_seq_len: int, num_pages: int | None, capture: CaptureConfig | None) -> M3Runner:
     c = model.config
     pages_per_seq = -(-max_seq_len // c.sparse_block_size)
+    rows, pages = capture_reserve(max_tokens, max_seqs, c.sparse_block_size, pages_per_seq * c.sparse_block_size)
     kv = c.kv_cache_config(num_pages=num_pages or pages_per_seq * max_seqs, max_seqs=max_seqs,
-                           max_pages_per_seq=pages_per_seq, dtype=model.dtype, device=device)
+                           max_pages_per_seq=pages_per_seq, dtype=model.dtype, device=device,
+                           capture_rows=rows, capture_pages=pages)
     cache = PagedKVCache(kv)
     dims = AttentionDims.for_cache(cache, c.num_attention_heads, c.sparse_topk_blocks, max_tokens)
     return M3Runner(model, cache, make_backend(backend, cache, dims), max_tokens, max_seqs, capture)

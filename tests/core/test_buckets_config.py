@@ -49,10 +49,12 @@ def test_explicit_buckets_are_used():
         (dict(max_tokens=8, buckets=(1, 16)), "buckets"),
         (dict(enabled="yes"), "enabled"),
         (dict(validate=1), "validate"),
-        (dict(full_graph_max_tokens=0), "full_graph_max_tokens"),
+        (dict(decode_buckets=(0, 2)), "decode_buckets"),
+        (dict(max_tokens=8, decode_buckets=(1, 16)), "decode_buckets"),
+        (dict(detect_frozen=1), "detect_frozen"),
         (dict(max_tokens=True), "max_tokens"),
         (dict(warmup_steps=True), "warmup_steps"),
-        (dict(full_graph_max_tokens=True), "full_graph_max_tokens"),
+        (dict(decode_buckets=(True,)), "decode_buckets"),
         (dict(buckets=(1, True)), "buckets"),
         (dict(buckets="1,2"), "buckets"),
         (dict(buckets=(1, 2.0)), "buckets"),
@@ -69,10 +71,28 @@ def test_buckets_accept_any_iterable_of_ints():
     assert CaptureConfig(max_tokens=8, buckets=(b for b in (2, 4))).buckets == (2, 4)
 
 
+def test_segmented_buckets_are_derived_above_the_whole_decode_graphs():
+    """Uniform decode steps up to the request capacity replay whole graphs, so the derived
+    segmented buckets start above the largest whole bucket; explicit buckets are kept."""
+    cfg = CaptureConfig(max_tokens=1054)
+    whole = whole_graph_buckets(cfg, 32)
+    assert whole == (1, 2, 4, 8, 12, 16, 24, 32)
+    seg = bucket_list(cfg, whole)
+    assert seg == (48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1054)
+    assert bucket_for(5, seg) == 48  # a short mixed step pads into the smallest segmented graph
+    assert bucket_list(cfg) == default_buckets(1054)  # no whole graphs: every bucket segmented
+    assert bucket_list(CaptureConfig(max_tokens=16), whole_graph_buckets(CaptureConfig(max_tokens=16), 32)) == (16,)
+    explicit = CaptureConfig(max_tokens=64, buckets=(1, 3, 64))
+    assert bucket_list(explicit, whole_graph_buckets(explicit, 8)) == (1, 3, 64)
+    assert len(whole) + len(seg) == 19  # the issue's 27 graphs for this config, before
+
+
 def test_whole_graph_buckets_are_capped_by_request_capacity():
     cfg = CaptureConfig(max_tokens=64)
-    assert whole_graph_buckets(cfg, 10) == (1, 2, 4, 8)
-    assert whole_graph_buckets(CaptureConfig(max_tokens=64, full_graph_max_tokens=4), 10) == (1, 2, 4)
+    assert whole_graph_buckets(cfg, 10) == (1, 2, 4, 8, 10)  # the capacity itself is a bucket
+    assert whole_graph_buckets(CaptureConfig(max_tokens=64, decode_buckets=(1, 2, 4)), 10) == (1, 2, 4)
+    with pytest.raises(ValueError, match="decode_buckets .*exceed the request capacity 10"):
+        whole_graph_buckets(CaptureConfig(max_tokens=64, decode_buckets=(4, 16)), 10)
     assert whole_graph_buckets(CaptureConfig(max_tokens=64, full_graph_decode=False), 10) == ()
     assert whole_graph_buckets(CaptureConfig(max_tokens=16, buckets=(3, 6, 16)), 6) == (3, 6)
 

@@ -52,8 +52,11 @@ def test_debug_eager_matches_plain_eager(chunks):
     torch.testing.assert_close(k_debug[:, real], model.k_cache[:, real], rtol=1e-5, atol=1e-5)
     stray = (k_debug[:, real] != k_before[:, real]) & (model.k_cache[:, real] == k_before[:, real])
     assert not stray.any(), "padded rows must not write the cache"
-    bucket = next(b for b in manager.buckets if b >= step.num_tokens)
-    stats = manager.stats.bucket(bucket, step.uniform_decode)
+    padding = manager.padding_for(step)
+    bucket = padding.rows
+    assert bucket == next(b for b in (manager.whole_buckets if step.uniform_decode else manager.buckets)
+                          if b >= step.num_tokens)
+    stats = manager.stats.bucket(bucket, padding.whole_graph)
     assert stats.hits == 1 and stats.padded_tokens == bucket - step.num_tokens
 
 
@@ -172,7 +175,7 @@ def test_report_renders_and_coverage_attributes_splice_ops():
 
 def test_one_padding_decision_reaches_prepare_and_the_splices():
     """Whole decode graphs pad request rows to the bucket; segmented buckets keep the real ones."""
-    model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, full_graph_max_tokens=4))
+    model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, decode_buckets=(1, 2, 4)))
     seen = []
     prepare = manager.prepare
     manager.prepare = lambda step, padding: (seen.append(padding), prepare(step, padding))

@@ -250,3 +250,103 @@ def test_adjacent_splices_and_non_graph_safe_splice_skip_full_graph():
     assert calls == [4, 4]
     ref = eager_of(model, step)[0] * 2
     assert relative_error(out, ref) < 2e-2
+
+
+class StepScalarModel(ToyTransformer):
+    """A bad producer: the plan stores a Python scalar from the step and captured code uses it
+    as a kernel argument (every replay would reuse the capture's value)."""
+
+    scale = 1.0
+
+    def forward(self, inputs):
+        return super().forward(inputs) * self.scale
+
+
+def other_dummy(bucket: int, whole: bool):
+    """Other dummy data than ``toy_dummy_step``: fewer real tokens, other rows and positions."""
+    n = max(1, bucket - bucket // 4)
+    if whole:
+        return make_step(CFG, [((CFG.max_seqs - 1 - i) % CFG.max_seqs, 7 + i // CFG.max_seqs, 1) for i in range(n)])
+    return make_step(CFG, [(3, 5, n)])
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_frozen_value_detection_finds_a_baked_step_scalar_and_nothing_else(bad):
+    torch.manual_seed(0)
+    model = (StepScalarModel if bad else ToyTransformer)(CFG, "cuda", torch.bfloat16)
+    plan = toy_prepare(model)
+
+    def prepare(step, padding):
+        plan(step, padding)
+        model.scale = 1.0 + step.num_tokens / 64  # a host value of the step
+
+    config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4, 8, 64), detect_frozen=True)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=prepare,
+                             dummy_step=toy_dummy_step(CFG))
+    manager.register("kv_cache", model.cache_tensors, mutable=True)
+    manager.capture()
+    failures = manager.detect_frozen(other_dummy)
+    assert manager.stats.frozen_s > 0
+    if not bad:
+        assert failures == {}, failures  # no false positive: pointers differ, nothing else
+        return
+    # Every bucket whose dummy steps differ in real tokens bakes another scale; bucket 1 has one.
+    assert set(failures) == {k for k in manager.keys() if k[0] > 1}
+    reason = failures[(8, False)]
+    assert "frozen host value" in reason and "parameter" in reason and f"segment {CFG.num_layers}" in reason
+    assert manager.graph(8) is None and manager.stats.bucket(8, False).status == "dropped"
+    step = other_dummy(8, False)  # the dropped bucket now runs eagerly, with this step's scale
+    out = manager.run(step)
+    ref, _, _ = eager_of(model, step)
+    assert relative_error(out, ref) < 2e-2  # eager multiplies by this step's scale too
+
+
+def test_detect_frozen_needs_kept_graphs():
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)))
+    manager.capture()
+    with pytest.raises(ValueError, match="detect_frozen=True"):
+        manager.detect_frozen(other_dummy)
+
+
+def test_capture_out_of_memory_frees_everything_and_says_what_to_change():
+    from graphcap.memory import CaptureOutOfMemory
+
+    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4, 8, 64)))
+    orig = model.norm.forward
+
+    def hungry(x):
+        if torch.cuda.is_current_stream_capturing() and x.shape[0] == 8:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # a petabyte
+        return orig(x)
+
+    manager.capture()  # steady state first: cuBLAS workspaces of the capture stream stay allocated
+    manager.release()
+    model.norm.forward = hungry
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    with pytest.raises(CaptureOutOfMemory, match=r"capturing bucket 8 .*graph\(s\) captured holding .*Capture fewer "
+                                                 r"graphs \(CaptureConfig.buckets / decode_buckets\)") as err:
+        manager.capture()
+    assert isinstance(err.value, torch.OutOfMemoryError)
+    assert manager.graph(64) is None and manager.graph(64, True) is None and manager._pool is None
+    del err
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= allocated + 2**20  # the pool and the graphs' tensors are gone
+    model.norm.forward = orig
+    manager.capture()
+    assert manager.graph(64) is not None
+
+
+def test_capture_reports_phases_and_pool_and_one_graph_per_shape():
+    torch.manual_seed(0)
+    model = ToyTransformer(CFG, "cuda", torch.bfloat16)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"),
+                             CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, validate=True),
+                             prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG), request_capacity=CFG.max_seqs)
+    manager.register("kv_cache", model.cache_tensors, mutable=True)
+    manager.capture()
+    s = manager.stats
+    assert s.warmup_s > 0 and s.capture_s > 0 and s.validate_s > 0 and s.pool_mib > 0
+    # Derived buckets: whole decode graphs up to max_seqs=16, segmented graphs only above.
+    assert manager.whole_buckets == (1, 2, 4, 8, 12, 16) and manager.buckets == (24, 32, 48, 64)
+    assert all(st.status == "captured" for st in s.buckets.values())

@@ -43,3 +43,27 @@ def test_fastest_passing_candidate_wins_on_gpu():
     assert tuner.choose("mm", 4096, {"slow": slow, "wrong": wrong, "fast": fast}, fast, 1e-3) == "fast"
     c = tuner.choices[("mm", 4096)]
     assert "wrong" in c.rejected and c.timings_us["fast"] < c.timings_us["slow"]
+
+
+def test_stored_choices_skip_timing_but_are_still_validated(tmp_path, monkeypatch):
+    """A second process reads the timed choice from the store, checks it against the
+    reference and uses it without timing; a stored choice that is now wrong is re-tuned."""
+    from graphcap.tuning import ChoiceStore
+
+    timed = []
+    monkeypatch.setattr(KernelTuner, "_time", lambda self, run: timed.append(run) or float(len(timed)))
+    x = torch.randn(8)
+    ref = lambda: x * 2  # noqa: E731
+    path = tmp_path / "choices.json"
+    first = KernelTuner(time_candidates=True, store=ChoiceStore(path, "gpu A"))
+    assert first.choose("op", 8, {"a": lambda: x * 2, "b": lambda: x + x}, ref, 1e-6, signature="H64") == "a"
+    assert len(timed) == 2 and path.exists()
+    second = KernelTuner(time_candidates=True, store=ChoiceStore(path, "gpu A"))
+    assert second.choose("op", 8, {"a": lambda: x * 2, "b": lambda: x + x}, ref, 1e-6, signature="H64") == "a"
+    assert len(timed) == 2 and second.choices[("op", 8)].cached  # validated, not timed
+    other_gpu = KernelTuner(time_candidates=True, store=ChoiceStore(path, "gpu B"))
+    other_gpu.choose("op", 8, {"a": lambda: x * 2, "b": lambda: x + x}, ref, 1e-6, signature="H64")
+    assert len(timed) == 4  # another namespace tunes again
+    broken = KernelTuner(time_candidates=True, store=ChoiceStore(path, "gpu A"))
+    assert broken.choose("op", 8, {"a": lambda: x * 3, "b": lambda: x + x}, ref, 1e-6, signature="H64") == "b"
+    assert "relative error" in broken.choices[("op", 8)].rejected["a"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attention.metadata import TokenChunk
-from graphcap import CaptureConfig, default_buckets
+from graphcap import CaptureConfig, whole_graph_buckets
 from graphcap.validation import relative_error
 from models.minimax_m3.config import MiniMaxM3Config
 from models.minimax_m3.runner import M3Runner, build_from_preset
@@ -123,7 +123,8 @@ def test_every_request_capacity_decodes_up_to_capacity(buckets):
 def test_every_request_capacity_replays_on_gpu(max_seqs, buckets):
     stats = sweep(max_seqs, buckets, "cuda", torch.bfloat16, "auto", layers=4)
     whole = {b for (b, full), s in stats.items() if full and s.status == "captured"}
-    want = {b for b in (buckets or default_buckets(64)) if b <= max_seqs}
+    # The one rule (graphcap.buckets): default whole buckets run up to the request capacity itself.
+    want = set(whole_graph_buckets(CaptureConfig(max_tokens=64, buckets=buckets), max_seqs))
     assert whole == want, "every whole-graph bucket, non-default sizes included, captures on flashinfer + Triton"
     assert all(s.status == "captured" for s in stats.values() if s.hits)
 
@@ -329,3 +330,62 @@ def test_fused_moe_validates_its_configuration_and_rejects_a_corrupt_candidate()
     console = Console(record=True, width=200)
     console.print(choices_table(ops.tuner.choices))
     assert "corrupt" in console.export_text()
+
+
+@pytest.mark.parametrize("bucket, whole", [(1, True), (6, True), (5, False), (64, False)])
+@pytest.mark.parametrize("variant", [0, 1, 2])
+def test_dummy_steps_write_distinct_capture_slots_and_read_only_this_steps_writes(bucket, whole, variant):
+    """Dummy steps live on the capture reserve: every token at its own capture slot, each
+    request starting where the step's earlier tokens end, nothing taken from live capacity."""
+    r = build_from_preset("tiny", max_tokens=64, max_seqs=6, max_seq_len=48)
+    c = r.cache.config
+    free_pages, free_rows = r.cache.num_free_pages, len(r.cache._free_rows)
+    step = r.dummy_step(bucket, whole, variant)
+    slots = step.metadata.slot_mapping[: step.num_tokens].tolist()
+    assert len(set(slots)) == step.num_tokens
+    assert all(c.num_pages * c.page_size <= s < c.total_pages * c.page_size for s in slots)  # capture pages only
+    assert r.cache.num_free_pages == free_pages and len(r.cache._free_rows) == free_rows
+    real = max(1, bucket - bucket // 4) if variant == 2 else bucket
+    assert step.num_tokens == real and step.uniform_decode == whole
+    r.release_dummies()
+    assert r.cache.num_live_seqs == 0
+
+
+def test_recapture_at_full_capacity_leaves_live_requests_alone():
+    """Every row and page in use by live requests: capture and validation still find room
+    (the capture reserve), and the live requests' cache contents are untouched."""
+    ps = MiniMaxM3Config.preset("tiny").sparse_block_size
+    r = build_from_preset("tiny", max_tokens=64, max_seqs=4, max_seq_len=32, num_pages=4 * 32 // ps,
+                          capture=CaptureConfig(enabled=True, debug_eager=True, max_tokens=64))
+    g = torch.Generator().manual_seed(0)
+    vocab = r.model.config.vocab_size
+    seqs = list(range(r.cache.config.max_live_seqs))
+    for s in seqs:
+        r.add_request(s)
+    for s in seqs[:4]:
+        r.step([TokenChunk(s, 0, torch.randint(0, vocab, (32,), generator=g).tolist())])
+    assert r.cache.num_free_pages == 0
+    live = slice(0, r.cache.config.num_pages)
+    k, ik = r.cache.k_cache[:, live].clone(), r.cache.index_k_cache[:, live].clone()
+    r.capture()
+    assert r.validate() == {}
+    assert torch.equal(r.cache.k_cache[:, live], k) and torch.equal(r.cache.index_k_cache[:, live], ik)
+    assert r.cache.num_live_seqs == len(seqs) and [r.num_tokens(s) for s in seqs[:4]] == [32] * 4
+
+
+def test_every_layer_hands_the_splice_the_same_buffers():
+    """q, index-q and the attention output come from one set of buffers for every layer."""
+    r = build_from_preset("tiny", max_tokens=16, max_seqs=2)
+    seen = []
+    sparse, dense = r.backend.sparse, r.backend.dense
+    r.backend.sparse = lambda layer, q, iq, out: (seen.append((q.data_ptr(), iq.data_ptr(), out.data_ptr())),
+                                                  sparse(layer, q, iq, out))[1]
+    r.backend.dense = lambda layer, q, out: (seen.append((q.data_ptr(), None, out.data_ptr())),
+                                             dense(layer, q, out))[1]
+    r.add_request("a")
+    r.step([TokenChunk("a", 0, [1, 2, 3])])
+    assert len(seen) == r.model.config.num_hidden_layers
+    assert len({s[0] for s in seen}) == 1 and len({s[2] for s in seen}) == 1
+    assert len({s[1] for s in seen if s[1] is not None}) <= 1
+    bufs = r.model.splice_buffers
+    assert seen[0][0] == bufs.view("q", 1).data_ptr() and bufs.max_rows == 16

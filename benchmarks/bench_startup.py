@@ -1,0 +1,202 @@
+"""Start-up of graphcap on MiniMax-M3: capture phases, graph memory per bucket, validation,
+replay speed, and (``--frozen``) frozen-value detection.
+
+GPU only. One process is one start: build the runner (random weights), ``capture()``, then a
+second capture in the same process, ``validate()``, and step times. Run it twice with the same
+``GRAPHCAP_CACHE_DIR`` for a cold start (empty caches) and a warm start (the caches the first
+run wrote)::
+
+    GRAPHCAP_CACHE_DIR=/tmp/gc python benchmarks/bench_startup.py --json cold.json
+    GRAPHCAP_CACHE_DIR=/tmp/gc python benchmarks/bench_startup.py --json warm.json
+
+Shapes: ``rank-of-8`` (60 layers), step capacity ``--max-tokens`` (1054 = a 1024-token chunk
+plus 30 decodes), ``--max-seqs`` requests, default buckets. Step times: every request has
+``--context`` tokens of context written straight into the cache (zeros: timing only); each
+step is run ``--iters`` times (rewound in between) and timed by wall clock (incl. plan,
+copy-in and the host sync of reading the output) and by CUDA events (GPU span).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+from rich.console import Console
+
+from attention.metadata import TokenChunk
+from graphcap import CaptureConfig
+from graphcap.report import stats_table
+from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.runner import M3Runner, build_from_preset
+
+
+def phases(runner: M3Runner) -> dict:
+    """The manager's per-phase start-up times (seconds), where it reports them."""
+    s = runner.manager.stats
+    return {k: round(getattr(s, k), 3) for k in ("jit_s", "warmup_s", "capture_s", "validate_s", "frozen_s")
+            if hasattr(s, k)}
+
+
+def bucket_rows(runner: M3Runner) -> list[dict]:
+    return [dict(bucket=b, whole=full, status=s.status, capture_ms=round(s.capture_ms, 1),
+                 memory_mib=round(s.memory_mib, 1), segments=s.segments, reason=s.reason)
+            for (b, full), s in sorted(runner.manager.stats.buckets.items(), key=lambda kv: (-kv[0][0], kv[0][1]))]
+
+
+def timed_capture(runner: M3Runner) -> dict:
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    runner.capture()
+    total = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    graphs = sum(s.status == "captured" for s in runner.manager.stats.buckets.values())
+    return dict(total_s=round(total, 2), phases=phases(runner), graphs=graphs,
+                graph_memory_mib=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1),
+                buckets=bucket_rows(runner))
+
+
+def step_times(runner: M3Runner, chunks: list[TokenChunk], iters: int) -> dict:
+    """Median wall ms and CUDA-event ms of ``runner.step(chunks)`` (rewound after each run)."""
+    def once() -> None:
+        runner.step(chunks)
+        for ch in chunks:
+            runner.rewind_request(ch.seq_id, ch.start_pos)
+
+    for _ in range(3):
+        once()
+    walls, gpus = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        once()
+        end.record()
+        end.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        gpus.append(start.elapsed_time(end))
+    return dict(wall_ms=round(statistics.median(walls), 3), span_ms=round(statistics.median(gpus), 3))
+
+
+def profile_capture_one(runner: M3Runner, bucket: int, whole: bool) -> dict:
+    """Where one graph's capture time goes: eager forward (plain, guarded) and the capture,
+    the latter under cProfile (top functions by own time)."""
+    m = runner.manager
+    key = (bucket, whole)
+    step = runner.dummy_step(bucket, whole)
+    padding = m._padding_of(step, key)
+    out: dict = {"bucket": bucket, "whole": whole}
+    for guard in (False, True):
+        m._run_padded(step, padding, guard=guard)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m._run_padded(step, padding, guard=guard)
+        out[f"eager_{'guarded' if guard else 'plain'}_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        torch.cuda.synchronize()
+        out[f"eager_{'guarded' if guard else 'plain'}_synced_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+    runner.release_dummies()
+    stream = torch.cuda.Stream()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    m._capture_one(key, stream)
+    prof.disable()
+    out["capture_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+    runner.release_dummies()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    out["cprofile_top"] = s.getvalue().splitlines()[-30:]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="rank-of-8")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all 60)")
+    p.add_argument("--max-tokens", type=int, default=1054)
+    p.add_argument("--max-seqs", type=int, default=32)
+    p.add_argument("--context", type=int, default=2000)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--frozen", action="store_true",
+                   help="capture with detect_frozen: validate() also runs frozen-value detection on every graph")
+    p.add_argument("--profile-bucket", type=int, default=64, help="bucket whose capture is profiled (0: skip)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    t_start = time.perf_counter()
+    config = MiniMaxM3Config.preset(args.preset)
+    if args.layers:
+        config = config.first_layers(args.layers)
+    page = config.sparse_block_size
+    # Pages for the timed steps only (every request's context + one token, and the chunk).
+    pages = args.max_seqs * -(-(args.context + 1) // page) + -(-args.max_tokens // page) + 2
+    capture = CaptureConfig(enabled=True, max_tokens=args.max_tokens)
+    if hasattr(CaptureConfig, "detect_frozen"):
+        capture = CaptureConfig(enabled=True, max_tokens=args.max_tokens, detect_frozen=args.frozen)
+    runner = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=args.max_tokens,
+                               max_seqs=args.max_seqs, max_seq_len=args.context + args.max_tokens + 8,
+                               num_pages=pages, capture=capture)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t_start
+    res: dict = dict(gpu=torch.cuda.get_device_name(), preset=args.preset, layers=config.num_hidden_layers,
+                     max_tokens=args.max_tokens, max_seqs=args.max_seqs, build_s=round(build_s, 2))
+    print(f"built {config.num_hidden_layers} layers in {build_s:.1f} s; "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
+    res["first_capture"] = timed_capture(runner)
+    res["start_to_graphs_s"] = round(time.perf_counter() - t_start, 2)
+    Console(width=160).print(stats_table(runner.manager))
+    print("first capture", json.dumps({k: v for k, v in res["first_capture"].items() if k != "buckets"}), flush=True)
+    runner.manager.release()
+    torch.cuda.empty_cache()
+    res["second_capture"] = timed_capture(runner)
+    print("second capture", json.dumps({k: v for k, v in res["second_capture"].items() if k != "buckets"}),
+          flush=True)
+    t0 = time.perf_counter()
+    failures = runner.validate()
+    res["validate_s"] = round(time.perf_counter() - t0, 2)
+    res["validation_failures"] = {str(k): v for k, v in failures.items()}
+    res["validate_phases"] = phases(runner)  # validate_s (replay vs eager) and frozen_s (--frozen)
+    print(f"validate {res['validate_s']} s {res['validate_phases']}, failures: {failures or 'none'}", flush=True)
+    res["memory_gib"] = dict(allocated=round(torch.cuda.memory_allocated() / 2**30, 2),
+                             reserved=round(torch.cuda.memory_reserved() / 2**30, 2))
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    n_req = args.max_seqs
+    for i in range(n_req):
+        runner.add_request(i)
+        runner.cache.reserve(i, args.context)
+        runner.cache.set_written(i, args.context)
+
+    def decode(n: int) -> list[TokenChunk]:
+        return [TokenChunk(i, args.context, [int(torch.randint(0, vocab, (1,), generator=gen))]) for i in range(n)]
+
+    chunk = args.max_tokens - (n_req - 2)
+    steps = {f"decode {n}": decode(n) for n in (1, 8, 32) if n <= n_req}
+    steps[f"mixed {n_req - 2}+{chunk}"] = decode(n_req - 2) + [
+        TokenChunk(n_req - 1, args.context, torch.randint(0, vocab, (chunk,), generator=gen).tolist())]
+    res["steps"] = {}
+    for name, chunks in steps.items():
+        res["steps"][name] = step_times(runner, chunks, args.iters)
+        print(name, res["steps"][name], flush=True)
+    for i in range(n_req):
+        runner.free_request(i)
+    if args.profile_bucket:
+        res["capture_profile"] = profile_capture_one(runner, args.profile_bucket, False)
+        print("\n".join(str(x) for x in res["capture_profile"].pop("cprofile_top")))
+        print("capture profile", res["capture_profile"], flush=True)
+    res["total_s"] = round(time.perf_counter() - t_start, 2)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Frozen-value detection's comparison of two captures (CPU: synthetic graph nodes)."""
+
+import struct
+
+from graphcap.frozen import compare_segments, param_differs
+from graphcap.graph_nodes import GraphNode
+
+BASE = 0x7F00_0000_0000
+
+
+def is_pointer(x: int) -> bool:  # stands in for the driver query on the GPU
+    return BASE <= x < BASE + 2**32
+
+
+def ptr(x: int) -> bytes:
+    return struct.pack("<Q", BASE + x)
+
+
+def kernel(name="k", params=(), launch=(8, 1, 1, 128, 1, 1, 0)):
+    return GraphNode("kernel", name, launch, tuple(params))
+
+
+def test_identical_and_relocated_pointers_agree():
+    a = [[kernel(params=[ptr(0), ptr(64), struct.pack("<i", 1000)])]]
+    b = [[kernel(params=[ptr(4096), ptr(8192), struct.pack("<i", 1000)])]]
+    assert compare_segments(a, a, ["segment 0"], is_pointer) == []
+    assert compare_segments(a, b, ["segment 0"], is_pointer) == []
+
+
+def test_a_scalar_that_differs_is_reported_with_segment_kernel_and_parameter():
+    a = [[kernel("mul", [struct.pack("<f", 2.0)])], [kernel("add_k", [ptr(0), struct.pack("<f", 2.0)])]]
+    b = [[kernel("mul", [struct.pack("<f", 2.0)])], [kernel("add_k", [ptr(8), struct.pack("<f", 3.0)])]]
+    problems = compare_segments(a, b, ["segment 0 (after the start)", "segment 1 (after splice 'attn')"], is_pointer)
+    assert len(problems) == 1
+    assert "segment 1 (after splice 'attn')" in problems[0] and "add_k" in problems[0] and "parameter 1" in problems[0]
+
+
+def test_a_scalar_packed_in_a_struct_next_to_pointers_is_found():
+    """TensorIterator-style functors pass pointers and scalars in one by-value struct."""
+    a = ptr(0) + ptr(16) + struct.pack("<ff", 1.0, 2.0)
+    assert not param_differs(a, ptr(512) + ptr(528) + struct.pack("<ff", 1.0, 2.0), is_pointer)
+    assert param_differs(a, ptr(512) + ptr(528) + struct.pack("<ff", 1.0, 2.5), is_pointer)
+    # A 4-byte tail (odd-sized struct) must match exactly.
+    assert param_differs(ptr(0) + b"\x01\x00\x00\x00", ptr(8) + b"\x02\x00\x00\x00", is_pointer)
+    # An int that happens to differ is not a pointer, even if the other side is one.
+    assert param_differs(ptr(0), struct.pack("<Q", 5), is_pointer)
+
+
+def test_launch_name_and_structure_differences_are_reported():
+    one = [[kernel(launch=(8, 1, 1, 128, 1, 1, 0))]]
+    assert "launch" in compare_segments(one, [[kernel(launch=(9, 1, 1, 128, 1, 1, 0))]], ["s0"], is_pointer)[0]
+    assert "second capture ran other" in compare_segments(one, [[kernel("other")]], ["s0"], is_pointer)[0]
+    assert "graph nodes" in compare_segments(one, [[kernel(), kernel()]], ["s0"], is_pointer)[0]
+    assert "segments" in compare_segments(one, one * 2, ["s0", "s1"], is_pointer)[0]
+    unknown = [[GraphNode("kernel", "k", (8, 1, 1, 128, 1, 1, 0), None)]]
+    assert compare_segments(unknown, one, ["s0"], is_pointer) == []  # sizes unknown: name and launch only
+
+
+def test_memset_values_are_compared():
+    a = [[GraphNode("memset", "memset", (4, 256, 1), (b"\x00" * 4,))]]
+    b = [[GraphNode("memset", "memset", (4, 256, 1), (b"\x01\x00\x00\x00",))]]
+    assert compare_segments(a, a, ["s0"], is_pointer) == []
+    assert "parameter 0" in compare_segments(a, b, ["s0"], is_pointer)[0]
+
+
+def test_bytes_that_change_between_captures_of_the_same_data_are_noise():
+    """Uninitialised padding inside a by-value struct differs from capture to capture; a
+    capture of the same data shows it, so only stable bytes count."""
+    a = [[kernel(params=[struct.pack("<ii", 4, 0x1234) + struct.pack("<f", 2.0) + b"\0" * 4])]]
+    same = [[kernel(params=[struct.pack("<ii", 4, 0x9999) + struct.pack("<f", 2.0) + b"\0" * 4])]]
+    garbage_only = [[kernel(params=[struct.pack("<ii", 4, 0x7777) + struct.pack("<f", 2.0) + b"\0" * 4])]]
+    frozen = [[kernel(params=[struct.pack("<ii", 4, 0x7777) + struct.pack("<f", 3.0) + b"\0" * 4])]]
+    assert compare_segments(a, garbage_only, ["s0"], is_pointer) != []  # without the noise model
+    assert compare_segments(a, garbage_only, ["s0"], is_pointer, same_data=same) == []
+    problems = compare_segments(a, frozen, ["s0"], is_pointer, same_data=same)
+    assert len(problems) == 1 and "bytes 8..15" in problems[0]
+
+
+def test_a_difference_must_also_be_stable_in_the_other_datas_twin():
+    a = [[kernel(params=[struct.pack("<ii", 4, 0x1234)])]]
+    b = [[kernel(params=[struct.pack("<ii", 4, 0x5555)])]]
+    b_again = [[kernel(params=[struct.pack("<ii", 4, 0x6666)])]]
+    assert compare_segments(a, b, ["s0"], is_pointer, same_data=a) != []
+    assert compare_segments(a, b, ["s0"], is_pointer, same_data=a, second_again=b_again) == []
+    assert compare_segments(a, b, ["s0"], is_pointer, same_data=a, second_again=b) != []
