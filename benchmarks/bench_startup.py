@@ -37,10 +37,9 @@ from models.minimax_m3.runner import M3Runner, build_from_preset
 
 
 def phases(runner: M3Runner) -> dict:
-    """The manager's per-phase start-up times (seconds), where it reports them."""
+    """The manager's per-phase start-up times (seconds)."""
     s = runner.manager.stats
-    return {k: round(getattr(s, k), 3) for k in ("jit_s", "warmup_s", "capture_s", "validate_s", "frozen_s")
-            if hasattr(s, k)}
+    return {k: round(getattr(s, k), 3) for k in ("jit_s", "warmup_s", "capture_s", "validate_s", "frozen_s")}
 
 
 def bucket_rows(runner: M3Runner) -> list[dict]:
@@ -137,9 +136,7 @@ def main() -> None:
     page = config.sparse_block_size
     # Pages for the timed steps only (every request's context + one token, and the chunk).
     pages = args.max_seqs * -(-(args.context + 1) // page) + -(-args.max_tokens // page) + 2
-    capture = CaptureConfig(enabled=True, max_tokens=args.max_tokens)
-    if hasattr(CaptureConfig, "detect_frozen"):
-        capture = CaptureConfig(enabled=True, max_tokens=args.max_tokens, detect_frozen=args.frozen)
+    capture = CaptureConfig(enabled=True, max_tokens=args.max_tokens, detect_frozen=args.frozen)
     runner = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=args.max_tokens,
                                max_seqs=args.max_seqs, max_seq_len=args.context + args.max_tokens + 8,
                                num_pages=pages, capture=capture)

@@ -142,12 +142,12 @@ class CaptureConfig:
                 else:
                     updates[name] = int(raw)
             except ValueError:
-                what = {"buckets": "not a comma-separated list of ints",
-                        "decode_buckets": "not a comma-separated list of ints"}.get(
-                    name,
-                    ("not a boolean (use 1/0, true/false, yes/no, on/off)" if isinstance(current, bool)
-                     else "not an int"),
-                )
+                if name in ("buckets", "decode_buckets"):
+                    what = "not a comma-separated list of ints"
+                elif isinstance(current, bool):
+                    what = "not a boolean (use 1/0, true/false, yes/no, on/off)"
+                else:
+                    what = "not an int"
                 raise ValueError(f"{var}={raw!r} is {what}") from None
         try:
             return replace(base, **updates)

@@ -52,11 +52,6 @@ def param_difference(a: bytes, b: bytes, is_pointer: Callable[[int], bool],
     return None
 
 
-def param_differs(a: bytes, b: bytes, is_pointer: Callable[[int], bool], noise: bytes | None = None) -> bool:
-    """Whether ``param_difference`` finds a difference."""
-    return param_difference(a, b, is_pointer, noise) is not None
-
-
 def compare_segments(first: Sequence[Sequence[GraphNode]], second: Sequence[Sequence[GraphNode]],
                      labels: Sequence[str], is_pointer: Callable[[int], bool] = is_device_pointer,
                      same_data: Sequence[Sequence[GraphNode]] | None = None,

@@ -107,8 +107,8 @@ def _kernel_name(p: _KernelParams) -> str:
     return name.value.decode(errors="replace") if rc == 0 and name.value else "<unnamed kernel>"
 
 
-def _param_layout(p: _KernelParams) -> list[tuple[int, int]] | None:
-    """(offset, size) of each parameter, or ``None`` when the driver cannot say."""
+def _param_layout(p: _KernelParams) -> list[tuple[int, int]]:
+    """(offset, size) of each parameter (the driver answers until the index is past the last)."""
     if p.func:
         get, handle = _fn("cuFuncGetParamInfo"), ctypes.c_void_p(p.func)
     else:
@@ -124,8 +124,6 @@ def _param_layout(p: _KernelParams) -> list[tuple[int, int]] | None:
 
 def _kernel_params(p: _KernelParams) -> tuple[bytes, ...] | None:
     layout = _param_layout(p)
-    if layout is None:
-        return None
     if p.kernel_params:
         return tuple(ctypes.string_at(p.kernel_params[i], size) for i, (_, size) in enumerate(layout))
     if p.extra:  # one packed argument buffer: (key, value) pairs ending in CU_LAUNCH_PARAM_END

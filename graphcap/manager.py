@@ -62,7 +62,9 @@ class CaptureManager:
         request_capacity: most requests one step holds; whole decode graphs (one token per
             request) are never larger.
         sample_step: steps on other data than ``dummy_step`` (other tokens, positions,
-            requests) for ``validate`` and ``detect_frozen`` (default: ``dummy_step``).
+            requests; every row real) for ``validate`` (default: ``dummy_step``).
+        frozen_step: steps on other data again, with fewer real tokens where the bucket allows,
+            for ``detect_frozen`` (default: ``sample_step``).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class CaptureManager:
         before_capture: Callable[["CaptureManager"], None] | None = None,
         request_capacity: int | None = None,
         sample_step: DummyStep | None = None,
+        frozen_step: DummyStep | None = None,
     ) -> None:
         if config.max_tokens > inputs.max_tokens:
             raise ValueError(
@@ -89,6 +92,7 @@ class CaptureManager:
         self.prepare = prepare or (lambda step, padding: None)
         self.dummy_step = dummy_step
         self.sample_step = sample_step or dummy_step
+        self.frozen_step = frozen_step or self.sample_step
         self.before_capture = before_capture
         self.whole_buckets = whole_graph_buckets(config, request_capacity)
         self.buckets = bucket_list(config, self.whole_buckets)
@@ -268,13 +272,7 @@ class CaptureManager:
         return True
 
     def _capture_one(self, key: Key, stream: torch.cuda.Stream) -> None:
-        step = self.dummy_step(*key)
-        padding = self._padding_of(step, key)
-        with step_context(step, padding):
-            self.prepare(step, padding)
-        views = self.inputs.copy_in(step.inputs, padding)
-        graph = capture_bucket(self.forward, views, step, padding, self._pool, stream, guard=False,
-                               keep_graph=self.config.detect_frozen)
+        graph = self._capture_step(key, self.dummy_step, self._pool, stream, keep_graph=self.config.detect_frozen)
         self._graphs[key] = graph
         stats = self.stats.bucket(*key)
         stats.status, stats.reason = "captured", ""
@@ -393,7 +391,7 @@ class CaptureManager:
         return run_eager(self.forward, views, step, padding, checker, capturing=guard)
 
     # ------------------------------------------------------------- validation
-    def validate(self, sample_step: DummyStep | None = None, frozen: bool | None = None) -> dict[Key, str]:
+    def validate(self, sample_step: DummyStep | None = None) -> dict[Key, str]:
         """Replay vs eager on identical inputs for every captured graph.
 
         For each graph, ``sample_step(bucket, whole)`` (default: the manager's) is run once
@@ -401,7 +399,8 @@ class CaptureManager:
         dtype's tolerance, mutable state (caches) must match, and the graph may not touch any
         element eager left unchanged (padded rows write nothing). State is restored after
         each comparison. Failing graphs are dropped (their steps run eagerly) and returned
-        with the reason; ``self.failures`` keeps them for the report.
+        with the reason; ``self.failures`` keeps them for the report. With
+        ``CaptureConfig.detect_frozen``, ``detect_frozen()`` follows.
         """
         sample_step = sample_step or self.sample_step
         if sample_step is None:
@@ -426,15 +425,16 @@ class CaptureManager:
         for key, reason in failures.items():
             self._drop(key, reason)
         self.stats.validate_s = time.perf_counter() - t0
-        if self.config.detect_frozen if frozen is None else frozen:
-            failures.update(self.detect_frozen(sample_step))
+        if self.config.detect_frozen:
+            failures.update(self.detect_frozen())
         return failures
 
     def detect_frozen(self, sample_step: DummyStep | None = None) -> dict[Key, str]:
-        """Capture every graph a second time on ``sample_step(bucket, whole)`` (other dummy data
-        than the capture's), twice, and once more on ``dummy_step`` (the capture's own data):
-        bytes that change between captures of one data set are noise. Each capture has a
-        scratch pool. Then compare kernel nodes
+        """Capture every graph again on ``sample_step(bucket, whole)`` (default: the manager's
+        ``frozen_step``; other dummy data than the capture's), and once more on ``dummy_step`` (the capture's own data):
+        bytes that change between captures of one data set are noise; a difference found is
+        confirmed on one more capture of the other data. Each capture has a scratch pool.
+        Kernel nodes are compared
         (``graphcap.frozen``): a kernel name, launch or parameter that differs is a host value
         frozen into the graph. Such graphs are dropped (their steps run eagerly) and returned
         with the kernel and segment; ``stats.frozen_s`` is the time taken.
@@ -443,7 +443,7 @@ class CaptureManager:
             ValueError: the graphs were captured without ``CaptureConfig.detect_frozen`` (their
                 nodes were not kept).
         """
-        sample_step = sample_step or self.sample_step
+        sample_step = sample_step or self.frozen_step
         if not self.uses_graphs or not self._graphs:
             return {}
         if sample_step is None:
@@ -478,16 +478,21 @@ class CaptureManager:
             problems = compare_segments(first, other, labels, same_data=same, second_again=again)
         return problems
 
-    def _capture_again(self, key: Key, make_step: DummyStep, stream: torch.cuda.Stream) -> list[list[Any]]:
-        """The nodes of one more capture of ``key`` on ``make_step``'s data, in a pool of its
-        own (freed with the graph on return)."""
+    def _capture_step(self, key: Key, make_step: DummyStep, pool: Any, stream: torch.cuda.Stream,
+                      keep_graph: bool) -> BreakableGraph:
+        """Capture ``key`` on ``make_step``'s step: the host plan, the copy-in, the capture
+        (producers unguarded: warm-up guarded the same shapes)."""
         step = make_step(*key)
         padding = self._padding_of(step, key)
         with step_context(step, padding):
             self.prepare(step, padding)
         views = self.inputs.copy_in(step.inputs, padding)
-        graph = capture_bucket(self.forward, views, step, padding, torch.cuda.graph_pool_handle(), stream,
-                               guard=False, keep_graph=True)
+        return capture_bucket(self.forward, views, step, padding, pool, stream, keep_graph)
+
+    def _capture_again(self, key: Key, make_step: DummyStep, stream: torch.cuda.Stream) -> list[list[Any]]:
+        """The nodes of one more capture of ``key`` on ``make_step``'s data, in a pool of its
+        own (freed with the graph on return)."""
+        graph = self._capture_step(key, make_step, torch.cuda.graph_pool_handle(), stream, keep_graph=True)
         return graph.segment_nodes()
 
     def _drop(self, key: Key, reason: str) -> None:

@@ -100,10 +100,9 @@ class BreakableGraph:
 class _Recorder:
     """Splice driver for capture: closes and reopens graph segments around each splice."""
 
-    def __init__(self, pool: Any, guard: CaptureGuard | None, padding: Padding, keep_graph: bool = False) -> None:
+    def __init__(self, pool: Any, padding: Padding, keep_graph: bool = False) -> None:
         self.pool = pool
         self.keep_graph = keep_graph
-        self.guard = guard
         self.padding = padding
         self.full = padding.whole_graph
         self.items: list[GraphSegment | SpliceCall] = []
@@ -111,9 +110,6 @@ class _Recorder:
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph)
-        index = len([i for i in self.items if isinstance(i, GraphSegment)])
-        if self.guard is not None:
-            self.guard.segment = f"segment {index} (after {self._last_splice()})"
         self._graph.capture_begin(pool=self.pool)
 
     def end(self) -> None:
@@ -134,10 +130,6 @@ class _Recorder:
             with contextlib.suppress(Exception):
                 graph.capture_end()
 
-    def _last_splice(self) -> str:
-        names = [i.op.name for i in self.items if isinstance(i, SpliceCall)]
-        return f"splice {names[-1]!r}" if names else "the start of the forward"
-
     def on_splice(self, op: SpliceOp, fn: Callable[..., None], args: tuple, kwargs: dict) -> None:
         if self.full:
             if not op.graph_safe(args, self.padding):
@@ -146,18 +138,12 @@ class _Recorder:
                     f"{self.padding.rows} rows; a whole-graph capture cannot pass through it (declare "
                     f"graph_safe_decode only where it reads all per-request state from fixed device buffers)"
                 )
-            with _paused(self.guard):
-                return call_splice(op, fn, args, kwargs)
+            return call_splice(op, fn, args, kwargs)
         self.end()
         self.items.append(SpliceCall(op, fn, args, kwargs))
-        with _paused(self.guard):
-            call_splice(op, fn, args, kwargs)
+        call_splice(op, fn, args, kwargs)
         self.begin()
         return None
-
-
-def _paused(guard: CaptureGuard | None) -> contextlib.AbstractContextManager:
-    return guard.paused() if guard is not None else contextlib.nullcontext()
 
 
 class EagerDriver:
@@ -220,28 +206,25 @@ def frozen_gc() -> Iterator[None]:
 
 def capture_bucket(
     forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding, pool: Any,
-    stream: torch.cuda.Stream, guard: bool = True, keep_graph: bool = False,
+    stream: torch.cuda.Stream, keep_graph: bool = False,
 ) -> BreakableGraph:
     """Capture one bucket's forward (``padding.rows`` rows; a whole graph if
-    ``padding.whole_graph``) on ``stream`` into ``pool``, producer code under the capture
-    guard unless ``guard`` is False (the manager guards one warm-up run of the same shapes
-    instead, so producers are checked once per bucket, not twice). ``keep_graph``
-    keeps each segment's ``cudaGraph_t`` for ``BreakableGraph.segment_nodes``.
+    ``padding.whole_graph``) on ``stream`` into ``pool``. Producer ops are not guarded here:
+    the manager guards one warm-up run of the same shapes (``run_eager``), so they are
+    checked once per bucket size; reading the step from producer code is refused still.
+    ``keep_graph`` keeps each segment's ``cudaGraph_t`` for ``BreakableGraph.segment_nodes``.
 
     Raises:
-        CaptureViolation: producer code synced with the host or read a CPU tensor.
         RuntimeError: a whole-graph capture met a splice that is not graph-safe.
     """
-    checker = CaptureGuard(inputs[next(iter(inputs))].device) if guard else None
-    recorder = _Recorder(pool, checker, padding, keep_graph)
+    recorder = _Recorder(pool, padding, keep_graph)
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()
     with torch.no_grad(), torch.cuda.stream(stream), step_context(step, padding, recorder, capturing=True):
         try:
             recorder.begin()
-            with checker if checker is not None else contextlib.nullcontext():
-                out = forward(inputs)
+            out = forward(inputs)
             recorder.end()
         except BaseException:
             recorder.abort()

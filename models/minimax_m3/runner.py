@@ -90,7 +90,8 @@ class M3Runner:
         m = CaptureManager(self.model.hidden_states, static, capture, prepare=self._prepare,
                            dummy_step=self.dummy_step, before_capture=self._before_capture,
                            request_capacity=self.max_seqs,
-                           sample_step=lambda bucket, whole: self.dummy_step(bucket, whole, variant=1))
+                           sample_step=lambda bucket, whole: self.dummy_step(bucket, whole, variant=1),
+                           frozen_step=lambda bucket, whole: self.dummy_step(bucket, whole, variant=2))
         cache, builder, backend = self.cache, self.builder, self.backend
         m.register("model", self.model)
         m.register("kv_cache", lambda: {"k": cache.k_cache, "v": cache.v_cache, "index_k": cache.index_k_cache},
@@ -162,18 +163,15 @@ class M3Runner:
         variant 1), then frozen-value detection (variant 2) when the capture config asks for
         it (see ``CaptureManager.validate`` and ``detect_frozen``)."""
         try:
-            failures = self.manager.validate(frozen=False)
-            if self.manager.config.detect_frozen:
-                failures.update(self.detect_frozen())
-            return failures
+            return self.manager.validate()
         finally:
             self.release_dummies()
 
     def detect_frozen(self) -> dict:
-        """Capture every graph again on variant-1 dummy data and compare kernel nodes (see
+        """Capture every graph again on variant-2 dummy data and compare kernel nodes (see
         ``CaptureManager.detect_frozen``); needs ``CaptureConfig(detect_frozen=True)``."""
         try:
-            return self.manager.detect_frozen(lambda bucket, whole: self.dummy_step(bucket, whole, variant=2))
+            return self.manager.detect_frozen()
         finally:
             self.release_dummies()
 
@@ -245,7 +243,7 @@ class M3Runner:
             raise ValueError(f"a whole decode graph of {bucket} tokens needs {bucket} requests but max_seqs="
                              f"{self.max_seqs}; keep whole-graph buckets <= max_seqs")
         n = max(1, bucket - bucket // 4) if variant == 2 else bucket
-        if whole_graph:  # request i at capture position i (variant 1: reversed, shifted up)
+        if whole_graph:  # request i at capture position i (variants 1, 2: reversed, at the top)
             spans = [(i if variant == 0 else bucket - 1 - i, 1) for i in range(n)]
         else:
             cuts = [0, n] if variant == 0 or n < 2 else [0, n // 2, n]

@@ -2,7 +2,7 @@
 
 import struct
 
-from graphcap.frozen import compare_segments, param_differs
+from graphcap.frozen import compare_segments, param_difference
 from graphcap.graph_nodes import GraphNode
 
 BASE = 0x7F00_0000_0000
@@ -38,12 +38,12 @@ def test_a_scalar_that_differs_is_reported_with_segment_kernel_and_parameter():
 def test_a_scalar_packed_in_a_struct_next_to_pointers_is_found():
     """TensorIterator-style functors pass pointers and scalars in one by-value struct."""
     a = ptr(0) + ptr(16) + struct.pack("<ff", 1.0, 2.0)
-    assert not param_differs(a, ptr(512) + ptr(528) + struct.pack("<ff", 1.0, 2.0), is_pointer)
-    assert param_differs(a, ptr(512) + ptr(528) + struct.pack("<ff", 1.0, 2.5), is_pointer)
+    assert param_difference(a, ptr(512) + ptr(528) + struct.pack("<ff", 1.0, 2.0), is_pointer) is None
+    assert param_difference(a, ptr(512) + ptr(528) + struct.pack("<ff", 1.0, 2.5), is_pointer) is not None
     # A 4-byte tail (odd-sized struct) must match exactly.
-    assert param_differs(ptr(0) + b"\x01\x00\x00\x00", ptr(8) + b"\x02\x00\x00\x00", is_pointer)
+    assert param_difference(ptr(0) + b"\x01\x00\x00\x00", ptr(8) + b"\x02\x00\x00\x00", is_pointer) is not None
     # An int that happens to differ is not a pointer, even if the other side is one.
-    assert param_differs(ptr(0), struct.pack("<Q", 5), is_pointer)
+    assert param_difference(ptr(0), struct.pack("<Q", 5), is_pointer) is not None
 
 
 def test_launch_name_and_structure_differences_are_reported():
