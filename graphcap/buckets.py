@@ -29,13 +29,13 @@ def default_buckets(max_tokens: int) -> tuple[int, ...]:
 def whole_graph_buckets(config: CaptureConfig, request_capacity: int | None = None) -> tuple[int, ...]:
     """The buckets captured as whole decode graphs (one token per request, so none above
     ``request_capacity``): ``config.decode_buckets``; else the explicit ``config.buckets`` up to
-    the capacity; else the default geometric buckets up to it. Empty when
-    ``full_graph_decode`` is off.
+    the capacity; else the default geometric buckets up to it. Empty in mode ``piecewise``
+    (mode ``none`` lists what enabling would capture; nothing replays).
 
     Raises:
         ValueError: an explicit ``decode_buckets`` entry above the request capacity.
     """
-    if not config.full_graph_decode:
+    if config.graph_mode == "piecewise":
         return ()
     limit = min(config.max_tokens, request_capacity or config.max_tokens)
     if config.decode_buckets is not None:
@@ -53,7 +53,7 @@ def whole_graph_buckets(config: CaptureConfig, request_capacity: int | None = No
 
 def bucket_list(config: CaptureConfig, whole: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The segmented-graph buckets, ascending: ``config.buckets``, or derived from the whole
-    decode buckets ``whole``.
+    decode buckets ``whole``; empty in mode ``decode`` (its other steps run eagerly).
 
     Derived: the default geometric buckets above ``max(whole)``. A step of at most that many
     tokens that is not a uniform decode (a short prompt, or a few decodes with a short chunk)
@@ -62,6 +62,8 @@ def bucket_list(config: CaptureConfig, whole: tuple[int, ...] = ()) -> tuple[int
     memory. A whole bucket that cannot be captured gets its segmented graph back
     (``CaptureManager`` adds it).
     """
+    if config.graph_mode == "decode":
+        return ()
     if config.buckets is not None:
         return config.buckets
     top = max(whole, default=0)

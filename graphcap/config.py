@@ -12,6 +12,9 @@ from dataclasses import dataclass, fields, replace
 # not warn about them.
 OTHER_ENV_VARS = frozenset({"GRAPHCAP_CACHE_DIR"})
 
+# What a config captures (``CaptureConfig.mode``), from nothing to everything.
+MODES = ("none", "decode", "piecewise", "full_and_piecewise")
+
 
 def is_int(value: object) -> bool:
     """An int that is not a bool (``True`` is an ``int`` to Python, never a size to us)."""
@@ -37,8 +40,21 @@ def int_tuple(name: str, value: object) -> tuple[int, ...]:
 class CaptureConfig:
     """How graphcap captures and replays a forward.
 
+    ``mode`` says which steps replay graphs; ``enabled=True`` is the one-flag shorthand for the
+    default mode, ``full_and_piecewise``. An explicit ``mode`` decides on its own (``enabled`` is
+    then ignored; ``graph_mode`` is the resolved value every part of graphcap reads):
+
+    - ``none``: every step eager (the same code path, unpadded);
+    - ``decode``: whole graphs for uniform decode steps only; every other step eager (the
+      baseline serving stacks had before producer graphs);
+    - ``piecewise``: segmented graphs (producers captured, attention eager between segments)
+      for every bucket, decode steps included;
+    - ``full_and_piecewise``: whole graphs for uniform decode steps whose splices are
+      graph-safe, segmented graphs for the other steps.
+
     Attributes:
-        enabled: capture and replay graphs; False runs every step eagerly (same code path).
+        enabled: shorthand: True means ``mode="full_and_piecewise"`` when ``mode`` is not given.
+        mode: one of ``MODES`` (see above); ``None`` takes it from ``enabled``.
         max_tokens: the capture ceiling; steps with more tokens run eagerly and are counted.
         buckets: segmented-graph buckets (token counts; any iterable of ints, stored as a sorted
             unique tuple, last <= max_tokens). ``None`` derives them (``graphcap.buckets``): the
@@ -47,8 +63,6 @@ class CaptureConfig:
         decode_buckets: whole-decode-graph buckets (one token per request, so each <= the
             request capacity). ``None``: the explicit ``buckets`` up to the request capacity,
             or the default geometric buckets up to it.
-        full_graph_decode: capture uniform decode steps as one whole graph when every splice
-            point they pass through is graph-safe for that bucket.
         validate: compare graph replay with eager per bucket after capture; failing buckets are
             dropped (run eagerly) and reported.
         debug_eager: run every step eagerly through the same padded segment/splice path (no
@@ -67,10 +81,10 @@ class CaptureConfig:
     """
 
     enabled: bool = False
+    mode: str | None = None
     max_tokens: int = 512
     buckets: tuple[int, ...] | None = None
     decode_buckets: tuple[int, ...] | None = None
-    full_graph_decode: bool = True
     validate: bool = False
     detect_frozen: bool = False
     debug_eager: bool = False
@@ -79,10 +93,17 @@ class CaptureConfig:
     guard_producers: bool = True
 
     def __post_init__(self) -> None:
-        for f in ("enabled", "full_graph_decode", "validate", "detect_frozen", "debug_eager",
+        for f in ("enabled", "validate", "detect_frozen", "debug_eager",
                   "recapture_on_invalidation", "guard_producers"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"CaptureConfig.{f} must be a bool, got {getattr(self, f)!r}")
+        if self.mode is not None and self.mode not in MODES:
+            close = difflib.get_close_matches(str(self.mode), MODES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"CaptureConfig.mode must be one of {', '.join(MODES)} or None, got {self.mode!r}{hint}")
+        if self.enabled and self.mode == "none":
+            raise ValueError("CaptureConfig(enabled=True, mode='none') contradicts itself: drop enabled=True to run "
+                             "eagerly, or pick a capturing mode")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"CaptureConfig.max_tokens must be a positive int, got {self.max_tokens!r}")
         if not is_int(self.warmup_steps) or self.warmup_steps < 1:
@@ -93,6 +114,29 @@ class CaptureConfig:
         for name in ("buckets", "decode_buckets"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, self._check_buckets(name, getattr(self, name)))
+
+    @property
+    def graph_mode(self) -> str:
+        """The resolved mode: ``mode`` if given, else ``full_and_piecewise`` when ``enabled``,
+        else ``none``."""
+        if self.mode is not None:
+            return self.mode
+        return "full_and_piecewise" if self.enabled else "none"
+
+    @property
+    def captures(self) -> bool:
+        """Whether any step goes through graphs (or, in debug-eager, their padded path)."""
+        return self.graph_mode != "none"
+
+    @property
+    def whole_decode_graphs(self) -> bool:
+        """Whether uniform decode steps get whole graphs."""
+        return self.graph_mode in ("decode", "full_and_piecewise")
+
+    @property
+    def segmented_graphs(self) -> bool:
+        """Whether steps other than whole-graph decodes get segmented graphs."""
+        return self.graph_mode in ("piecewise", "full_and_piecewise")
 
     def _check_buckets(self, name: str, value: object) -> tuple[int, ...]:
         b = int_tuple(f"CaptureConfig.{name}", value)
@@ -135,6 +179,8 @@ class CaptureConfig:
             try:
                 if name in ("buckets", "decode_buckets"):
                     updates[name] = tuple(int(x) for x in raw.split(",") if x.strip()) or None
+                elif name == "mode":
+                    updates[name] = raw.strip() or None
                 elif isinstance(current, bool):
                     if raw.strip().lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
                         raise ValueError(raw)
@@ -144,6 +190,8 @@ class CaptureConfig:
             except ValueError:
                 if name in ("buckets", "decode_buckets"):
                     what = "not a comma-separated list of ints"
+                elif name == "mode":
+                    updates[name] = raw.strip() or None
                 elif isinstance(current, bool):
                     what = "not a boolean (use 1/0, true/false, yes/no, on/off)"
                 else:

@@ -111,8 +111,8 @@ class CaptureManager:
     # ------------------------------------------------------------------ setup
     @property
     def uses_graphs(self) -> bool:
-        """Whether steps replay CUDA graphs (enabled, not debug-eager, on a CUDA device)."""
-        return self.config.enabled and not self.config.debug_eager and self.device.type == "cuda"
+        """Whether steps replay CUDA graphs (a capturing mode, not debug-eager, on a CUDA device)."""
+        return self.config.captures and not self.config.debug_eager and self.device.type == "cuda"
 
     def register(self, name: str, source: Source, *, mutable: bool = False) -> None:
         """Register storage the forward reads (weights) or writes (``mutable``: caches).
@@ -141,7 +141,7 @@ class CaptureManager:
         """The smallest whole decode graph holding a uniform decode step, else the smallest
         segmented bucket, else unpadded eager (key ``None``)."""
         n, s = step.num_tokens, step.num_seqs
-        if self.config.enabled:
+        if self.config.captures:
             if step.uniform_decode and self.whole_buckets:
                 b = bucket_for(n, self.whole_buckets)
                 if b is not None and self._available((b, True)):
@@ -172,7 +172,7 @@ class CaptureManager:
             CaptureOutOfMemory: the GPU ran out of memory; every graph and the pool are freed.
         """
         if not self.uses_graphs:
-            if self.config.enabled and self.dummy_step is not None:
+            if self.config.captures and self.dummy_step is not None:
                 for key in (k for k in self.keys() if k[1] and k not in self._unavailable):
                     step = self.dummy_step(*key)
                     self._mark_unsafe(key, self._run_padded(step, self._padding_of(step, key), guard=True)[1])
@@ -267,7 +267,7 @@ class CaptureManager:
         stats = self.stats.bucket(*key)
         stats.status, stats.reason = "skipped", f"splices not graph-safe for decode: {', '.join(sorted(driver.unsafe))}"
         self._unavailable.add(key)
-        if self.config.buckets is None and key[0] not in self.buckets:
+        if self.config.buckets is None and self.config.segmented_graphs and key[0] not in self.buckets:
             self.buckets = tuple(sorted((*self.buckets, key[0])))
         return True
 
@@ -358,9 +358,12 @@ class CaptureManager:
         return _rows(self._replay(self._graphs[key], step, padding), n)
 
     def _count_eager(self, step: Step) -> None:
-        if not self.config.enabled:
+        """Why a step ran eagerly: its mode runs such steps eagerly (``eager_steps``), it is above
+        the graphs' ceiling (``fallbacks``), or its graph was skipped or dropped."""
+        cfg = self.config
+        if not cfg.captures or not (cfg.segmented_graphs or step.uniform_decode):
             self.stats.eager_steps += 1
-        elif bucket_for(step.num_tokens, self.buckets) is None:
+        elif bucket_for(step.num_tokens, self.buckets if cfg.segmented_graphs else self.whole_buckets) is None:
             self.stats.fallbacks += 1
         else:
             self.stats.dropped_fallbacks += 1

@@ -147,7 +147,7 @@ def stats_table(manager: Any) -> Table:
         )
     st = manager.stats
     table.caption = (
-        f"eager (disabled) {st.eager_steps} | above ceiling {st.fallbacks} | dropped-bucket fallbacks "
+        f"eager by mode {st.eager_steps} | above ceiling {st.fallbacks} | dropped-bucket fallbacks "
         f"{st.dropped_fallbacks} | invalidations {st.invalidations} | recaptures {st.recaptures} | "
         f"capture {st.capture_ms:.0f} ms, {st.memory_mib:.1f} MiB"
     )

@@ -37,7 +37,7 @@ class CaptureStats:
     """Manager-wide counters."""
 
     buckets: dict[tuple[int, bool], BucketStats] = field(default_factory=dict)
-    eager_steps: int = 0  # graphs disabled by config
+    eager_steps: int = 0  # steps the mode runs eagerly (mode none; non-decode steps in mode decode)
     fallbacks: int = 0  # steps above the capture ceiling, run eagerly
     dropped_fallbacks: int = 0  # steps whose bucket was dropped or skipped, run eagerly
     invalidations: int = 0

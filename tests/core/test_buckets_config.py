@@ -93,7 +93,7 @@ def test_whole_graph_buckets_are_capped_by_request_capacity():
     assert whole_graph_buckets(CaptureConfig(max_tokens=64, decode_buckets=(1, 2, 4)), 10) == (1, 2, 4)
     with pytest.raises(ValueError, match="decode_buckets .*exceed the request capacity 10"):
         whole_graph_buckets(CaptureConfig(max_tokens=64, decode_buckets=(4, 16)), 10)
-    assert whole_graph_buckets(CaptureConfig(max_tokens=64, full_graph_decode=False), 10) == ()
+    assert whole_graph_buckets(CaptureConfig(max_tokens=64, mode="piecewise"), 10) == ()
     assert whole_graph_buckets(CaptureConfig(max_tokens=16, buckets=(3, 6, 16)), 6) == (3, 6)
 
 
@@ -147,4 +147,33 @@ def test_from_env_names_the_variable_and_warns_on_typos(monkeypatch):
     monkeypatch.setenv("GRAPHCAP_CACHE_DIR", "/tmp/x")  # a known non-field variable: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        CaptureConfig.from_env()
+
+
+def test_mode_resolves_from_enabled_and_refuses_bad_values():
+    assert CaptureConfig().graph_mode == "none" and not CaptureConfig().captures
+    assert CaptureConfig(enabled=True).graph_mode == "full_and_piecewise"
+    assert CaptureConfig(mode="decode").graph_mode == "decode"  # an explicit mode decides alone
+    with pytest.raises(ValueError, match=r"CaptureConfig.mode must be one of .*did you mean 'piecewise'"):
+        CaptureConfig(mode="piecewize")
+    with pytest.raises(ValueError, match="contradicts itself"):
+        CaptureConfig(enabled=True, mode="none")
+    with pytest.raises(ValueError, match="CaptureConfig.mode"):
+        CaptureConfig(mode=True)
+
+
+def test_mode_picks_the_bucket_sets():
+    whole = {m: whole_graph_buckets(CaptureConfig(mode=m, max_tokens=64), 8) for m in
+             ("decode", "piecewise", "full_and_piecewise")}
+    seg = {m: bucket_list(CaptureConfig(mode=m, max_tokens=64), whole[m]) for m in whole}
+    assert whole["decode"] == whole["full_and_piecewise"] == (1, 2, 4, 8) and whole["piecewise"] == ()
+    assert seg["decode"] == () and seg["piecewise"] == default_buckets(64)
+    assert seg["full_and_piecewise"] == tuple(b for b in default_buckets(64) if b > 8)
+
+
+def test_mode_from_env(monkeypatch):
+    monkeypatch.setenv("GRAPHCAP_MODE", "piecewise")
+    assert CaptureConfig.from_env().graph_mode == "piecewise"
+    monkeypatch.setenv("GRAPHCAP_MODE", "fast")
+    with pytest.raises(ValueError, match=r"CaptureConfig.mode .*GRAPHCAP_"):
         CaptureConfig.from_env()

@@ -208,3 +208,30 @@ def test_guard_off_skips_op_checks_but_still_refuses_step_reads():
     model.norm.forward = lambda x: orig(x) + 0 * len(current_step().metadata.positions)
     with pytest.raises(RuntimeError, match="read by captured producer code"):
         manager.run(make_step(CFG, [(0, 0, 4)]))
+
+
+@pytest.mark.parametrize("mode", ["none", "decode", "piecewise", "full_and_piecewise"])
+def test_mode_decides_which_steps_take_graphs(mode):
+    """Each capture mode routes decode and mixed steps as documented, and every route gives the
+    plain-eager logits."""
+    model, manager = toy_manager(CaptureConfig(mode=mode, debug_eager=True, max_tokens=32))
+    g = torch.Generator().manual_seed(3)
+    manager.run(make_step(CFG, [(0, 0, 4), (1, 0, 6), (3, 0, 2)], g))  # context for the decodes
+    decode = make_step(CFG, [(0, 4, 1), (1, 6, 1), (3, 2, 1)], g)  # 3 rows: bucket 4 pads
+    mixed = make_step(CFG, [(2, 0, 5), (0, 5, 1)], g)
+    expect = {  # (decode: whole graph?, padded?), (mixed: padded?)
+        "none": ((False, False), False),
+        "decode": ((True, True), False),
+        "piecewise": ((False, True), True),
+        "full_and_piecewise": ((True, True), True),
+    }[mode]
+    pd, pm = manager.padding_for(decode), manager.padding_for(mixed)
+    assert (pd.whole_graph, pd.rows > decode.num_tokens) == expect[0]
+    assert (pm.rows > mixed.num_tokens) == expect[1]
+    for step in (decode, mixed):
+        k_before = model.k_cache.clone()
+        out = manager.run(step)
+        model.k_cache.copy_(k_before)
+        torch.testing.assert_close(out, reference_logits(model, step), rtol=1e-5, atol=1e-5)
+    eager_by_mode = {"none": 3, "decode": 2, "piecewise": 0, "full_and_piecewise": 0}[mode]
+    assert manager.stats.eager_steps == eager_by_mode and manager.stats.fallbacks == 0

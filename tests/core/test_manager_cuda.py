@@ -137,7 +137,7 @@ def test_padded_rows_writing_the_cache_fail_validation():
     # Bad producer: ignores slot -1 and writes padded rows into sequence 0's row.
     model._write_cache = lambda layer, slots, k, v: orig(layer, slots.clamp(min=0), k, v)
     dummy = toy_dummy_step(CFG)
-    config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(8,), full_graph_decode=False)
+    config = CaptureConfig(mode="piecewise", max_tokens=CFG.max_tokens, buckets=(8,))
     manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model),
                              dummy_step=dummy)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
@@ -202,15 +202,14 @@ def test_reassigned_parameter_and_moved_cache_are_detected():
 def test_buckets_share_one_pool():
     buckets = BUCKETS
     torch.cuda.synchronize()
-    model, shared = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=buckets,
-                                        full_graph_decode=False))
+    model, shared = build(CaptureConfig(mode="piecewise", max_tokens=CFG.max_tokens, buckets=buckets))
     shared.capture()
     shared_mib = shared.stats.memory_mib
     separate = []
     for b in buckets:
         m = CaptureManager(
             model.forward, toy_static_inputs(CFG, "cuda"),
-            CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(b,), full_graph_decode=False),
+            CaptureConfig(mode="piecewise", max_tokens=CFG.max_tokens, buckets=(b,)),
             prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG),
         )
         m.capture()
