@@ -3,8 +3,8 @@ Triton kernels and one backend per file (``attention/backends/``)."""
 
 from .base import AttentionBackend
 from .dims import AttentionDims
-from .metadata import AttentionMetadata, MetadataBuilder, TokenChunk
+from .metadata import AttentionMetadata, MetadataBuilder, TokenChunk, TokenFeed
 from .registry import BACKENDS, make_backend
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionDims", "AttentionMetadata", "MetadataBuilder", "TokenChunk",
-           "make_backend"]
+           "TokenFeed", "make_backend"]

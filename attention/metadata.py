@@ -96,6 +96,29 @@ class TokenChunk:
 
 
 @dataclass(frozen=True)
+class TokenFeed:
+    """Token ids of a step that live on the device (e.g. the previous step's sampled tokens,
+    fed without a round trip to the host): rows ``rows`` of the step's flattened tokens take
+    ``tokens``; the chunks hold placeholders there.
+
+    Attributes:
+        rows: flat token rows of the step (in chunk order), each once.
+        tokens: ``int64 [len(rows)]`` on the step's device.
+    """
+
+    rows: tuple[int, ...]
+    tokens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", tuple(self.rows))
+        if self.tokens.dim() != 1 or self.tokens.shape[0] != len(self.rows) or self.tokens.dtype != torch.int64:
+            raise ValueError(f"TokenFeed.tokens must be int64 [{len(self.rows)}] (one per row), got "
+                             f"{self.tokens.dtype} {tuple(self.tokens.shape)}")
+        if len(set(self.rows)) != len(self.rows):
+            raise ValueError(f"TokenFeed.rows must be distinct, got {self.rows}")
+
+
+@dataclass(frozen=True)
 class MetadataBuffers:
     """The persistent device buffers, at capacity (``max_seqs + 1`` rows: the last is a pad row)."""
 

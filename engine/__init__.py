@@ -1,0 +1,15 @@
+"""A model-agnostic serving loop over a runner protocol (``engine.protocol.StepRunner``):
+request queue, admission by sequence slots and KV pages, chunked prefill mixed with decode
+under a token budget, sampling, and host/GPU overlap."""
+
+from .engine import Engine, EngineConfig, EngineStats, StepRecord
+from .metrics import request_figures, step_figures, summarize
+from .protocol import StepRunner
+from .request import Request, RequestState, Status
+from .sampling import Sampler, SamplingParams
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from .workload import make_requests, serve
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "Request", "RequestState", "Sampler", "SamplingParams",
+           "ScheduledChunk", "Scheduler", "SchedulerConfig", "Status", "StepRecord", "StepRunner", "make_requests",
+           "request_figures", "serve", "step_figures", "summarize"]

@@ -153,7 +153,8 @@ class Sampler:
         sampled_rows = [p for p in params if not p.greedy]  # greedy rows' filters and seeds do not matter
         use_k = any(0 < p.top_k < vocab for p in sampled_rows)
         use_p = any(p.top_p < 1.0 for p in sampled_rows)
-        seeded = [(i, p.seed, o) for i, (p, o) in enumerate(zip(params, offsets)) if p.seed is not None]
+        seeded = [(i, p.seed, o) for i, (p, o) in enumerate(zip(params, offsets))
+                  if p.seed is not None and not p.greedy]
         if self._fi is not None:
             out = self._flashinfer_draw(scaled, top_k, top_p, use_k, use_p, seeded)
         else:

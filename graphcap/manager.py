@@ -179,6 +179,9 @@ class CaptureManager:
             return
         if self.dummy_step is None:
             raise ValueError("CaptureManager.capture() needs dummy_step(bucket, whole_graph) to build capture inputs")
+        # A recapture mid-serving: steps queued by a scheduler running ahead may still replay
+        # the old graphs and read their pool; let them finish before anything is freed.
+        torch.cuda.synchronize(self.device)
         self._release()
         stats = self.stats
         stats.capture_ms = stats.memory_mib = 0.0

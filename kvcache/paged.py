@@ -239,7 +239,7 @@ class PagedKVCache:
         row = self._free_capture_rows.pop()
         self._row[seq_id], self._pages[seq_id], self._written[seq_id] = row, list(pages), num_written
         self._capture_seqs.add(seq_id)
-        self.block_tables[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.block_tables.device)
+        self.block_tables[row, : len(pages)] = _to_device(pages, self.block_tables.device)
         return row
 
     def seq_slot(self, seq_id: Hashable) -> int:
@@ -312,7 +312,7 @@ class PagedKVCache:
         old = len(pages)
         pages.extend(new)
         row = self._row[seq_id]
-        self.block_tables[row, old : old + need] = torch.tensor(new, dtype=torch.int32).to(self.block_tables.device)
+        self.block_tables[row, old : old + need] = _to_device(new, self.block_tables.device)
 
     def free(self, seq_id: Hashable) -> None:
         """Return the sequence's pages and row; its block-table row goes back to ``-1``."""
@@ -396,3 +396,12 @@ class PagedKVCache:
             if index_k.shape != (t, c.index_dim):
                 raise ValueError(f"write expects index_k [T, {c.index_dim}], got {tuple(index_k.shape)}")
             self._ik_store[s].view(-1, c.index_dim).index_copy_(0, idx, index_k.to(c.index_dtype))
+
+
+def _to_device(pages: list[int], device: torch.device) -> torch.Tensor:
+    """Page ids as an int32 device tensor, copied without a host sync: a blocking copy would
+    wait for every step already queued and stall a scheduler that runs ahead of the GPU
+    (a pageable source is staged by the driver before the call returns, so the temporary may
+    die at once)."""
+    return torch.tensor(pages, dtype=torch.int32).to(device, non_blocking=True)
+

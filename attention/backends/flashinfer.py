@@ -147,6 +147,10 @@ class FlashinferAttention(AttentionBackend):
         self.dtype = c.dtype
         rows = c.max_seqs + 1  # metadata request rows, padding row included
         self._workspace_buf = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)  # zero on first use
+        # flashinfer's plan writes its schedule into one pinned host buffer per wrapper and
+        # copies it to the device without waiting. A scheduler that runs ahead of the GPU may
+        # plan step N+1 while step N's copy is still queued: wait for that copy first.
+        self._plan_copied: torch.cuda.Event | None = None
         self._indptr_buf = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self._last_page_len_buf = torch.zeros(rows, dtype=torch.int32, device=device)
         # A step's requests hold distinct pages, so a step never lists more than the pool
@@ -219,6 +223,8 @@ class FlashinferAttention(AttentionBackend):
         d = self.dims
         dims = (d.num_qo_heads, d.num_kv_heads, d.head_dim, d.block_size)
         kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=d.scale)
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()  # free in steady state: the GPU is past that copy
         if wrapper is not None:
             wrapper.plan(indptr, indices, last_page_len, *dims, **kw)
             self._planned = _Plan(wrapper, rows)
@@ -227,6 +233,8 @@ class FlashinferAttention(AttentionBackend):
             self._prefill.plan(meta.qo_indptr_host, indptr[: b + 1], indices, last_page_len[:b], *dims, causal=True,
                                **kw)
             self._planned = _Plan(self._prefill, meta.num_tokens)
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
 
     def _dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """Causal GQA of one dense layer; kernels only.

@@ -24,6 +24,7 @@ wrote.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -32,7 +33,7 @@ import torch
 
 from attention.base import AttentionBackend
 from attention.dims import AttentionDims
-from attention.metadata import MetadataBuilder, TokenChunk
+from attention.metadata import MetadataBuilder, TokenChunk, TokenFeed
 from attention.registry import make_backend
 from graphcap import CaptureConfig, CaptureManager, InputSpec, Padding, StaticInputs, Step
 from graphcap.config import is_int
@@ -124,6 +125,37 @@ class M3Runner:
         for rows in sorted({b for b, _ in manager.keys()}):
             self.model.ops.prepare(self.model, rows)
 
+    # ---- capacity (what a scheduler reads) -----------------------------------------------
+    @property
+    def page_size(self) -> int:
+        """Positions per KV page."""
+        return self.cache.page_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Most positions one request may hold."""
+        return self.cache.config.max_seq_len
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages requests may hold (the capture reserve excluded)."""
+        return self.cache.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """KV pages not held by any request."""
+        return self.cache.num_free_pages
+
+    @property
+    def max_live_requests(self) -> int:
+        """Requests that may hold a cache row at once: ``max_seqs`` plus the slot headroom for
+        finished requests not yet freed (see ``kvcache.paged``)."""
+        return self.cache.config.max_live_seqs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, seq_id: Hashable) -> None:
         """Admit a request (a block-table row); its first chunk starts at position 0."""
@@ -191,30 +223,69 @@ class M3Runner:
         return Step(num_tokens=meta.num_tokens, num_seqs=meta.num_seqs, inputs=inputs,
                     uniform_decode=all(ch.num_tokens == 1 for ch in chunks), metadata=meta)
 
+    def check(self, chunks: Sequence[TokenChunk]) -> None:
+        """Raise the error ``step(chunks)`` would raise, before anything is reserved or written
+        (see ``MetadataBuilder.check``); a scheduler uses it to find a step's faulty request."""
+        self.builder.check(chunks, self.model.config.vocab_size)
+
+    def _last_rows(self, step: Step) -> torch.Tensor:
+        """``int64 [num_chunks]`` device index of each chunk's last token, from the device
+        ``qo_indptr`` (a host copy would cost a sync)."""
+        meta = step.metadata
+        return meta.buffers.qo_indptr[1 : meta.num_seqs + 1].long() - 1
+
     def sample(self, hidden: torch.Tensor, step: Step, all_logits: bool = False) -> StepOutput:
         """lm_head on each chunk's last token (or every token) and greedy argmax."""
-        meta = step.metadata
-        last = (meta.qo_indptr_host[1:].long() - 1).to(hidden.device)
-        h = hidden[: meta.num_tokens] if all_logits else hidden.index_select(0, last)
+        last = self._last_rows(step)
+        h = hidden[: step.num_tokens] if all_logits else hidden.index_select(0, last)
         logits = self.model.compute_logits(h)
         rows = logits.index_select(0, last) if all_logits else logits
         return StepOutput(rows.argmax(-1).tolist(), logits)
+
+    def _run(self, chunks: Sequence[TokenChunk], feed: TokenFeed | None) -> tuple[Step, torch.Tensor]:
+        try:
+            self.manager.ensure_fresh()  # a (re)capture runs dummy steps: before this step is built
+        finally:
+            self.release_dummies()
+        step = self.make_step(chunks)
+        if feed is not None:
+            ids = step.inputs["input_ids"].to(self.device, non_blocking=True)
+            rows = torch.tensor(feed.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids.index_copy_(0, rows, feed.tokens)
+            step = dataclasses.replace(step, inputs={**step.inputs, "input_ids": ids})
+        return step, self.manager.run(step, fresh=True)
 
     @torch.inference_mode()
     def step(self, chunks: Sequence[TokenChunk], all_logits: bool = False) -> StepOutput:
         """One step: check and build, run (replay or eager), sample greedily per chunk.
 
         The chunks' written lengths advance only when the step succeeds."""
-        try:
-            self.manager.ensure_fresh()  # a (re)capture runs dummy steps: before this step is built
-        finally:
-            self.release_dummies()
-        step = self.make_step(chunks)
-        hidden = self.manager.run(step, fresh=True)
+        step, hidden = self._run(chunks, None)
         out = self.sample(hidden, step, all_logits)
+        self._commit(chunks)
+        return out
+
+    @torch.inference_mode()
+    def run_chunks(self, chunks: Sequence[TokenChunk], feed: TokenFeed | None = None,
+                   commit: bool = True) -> torch.Tensor:
+        """One step without a host sync: check and build, run, lm_head on each chunk's last
+        token. Returns ``[num_chunks, vocab]`` logits on the device (sample them there).
+
+        Args:
+            feed: token ids on the device (e.g. the previous step's samples) for the rows the
+                chunks hold placeholders at.
+            commit: advance the chunks' written lengths (False: a reference run of a step that
+                will run again, e.g. checking graphs against eager on the same inputs).
+        """
+        step, hidden = self._run(chunks, feed)
+        logits = self.model.compute_logits(hidden.index_select(0, self._last_rows(step)))
+        if commit:
+            self._commit(chunks)
+        return logits
+
+    def _commit(self, chunks: Sequence[TokenChunk]) -> None:
         for ch in chunks:
             self.cache.set_written(ch.seq_id, ch.end_pos)
-        return out
 
     # ---- dummy steps for warm-up, capture and validation -------------------------------
     def dummy_step(self, bucket: int, whole_graph: bool, variant: int = 0) -> Step:
