@@ -7,7 +7,9 @@
 #
 # Parts: tests, toy, kernels (attention kernels), moe, routernorm, tiles, profile (16-layer
 # rank-of-8 profile), producers (60-layer producer benchmark), startup (60-layer start-up: cold
-# and warm start, phases, memory per bucket), or a pytest path.
+# and warm start, phases, memory per bucket), serve (60-layer serving simulation by capture mode),
+# overlap (decode step wall vs GPU-busy through the engine), soak (10k-step serving soak with
+# recaptures and checks), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -51,6 +53,9 @@ for part in "${parts[@]}"; do
                 if [ "$rc" -eq 0 ]; then
                   $T python3 benchmarks/bench_startup.py --profile-bucket 0 --json "$OUT/bench_startup_warm.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
                 fi ;;
+    serve)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes ${SERVE_MODES:-decode,full_and_piecewise,none} --json "$OUT/serve_sim_rank_of_8.json" --plot "$OUT/serve_sim_rank_of_8.png" --trace "$OUT/serve_sim_trace.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    overlap)    $T python3 benchmarks/bench_serving_overlap.py --json "$OUT/bench_serving_overlap.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    soak)       $T python3 benchmarks/soak_serving.py --steps ${SOAK_STEPS:-10000} --json "$OUT/soak_serving.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     producers)  $T python3 benchmarks/bench_m3_producers.py --json "$OUT/bench_m3_producers.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac
