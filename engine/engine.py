@@ -144,7 +144,8 @@ class Engine:
             return f"request {rid!r}: prompt token {bad[0]!r} is not a token id in [0, {r.vocab_size})"
         if request.max_len > r.max_seq_len:
             return (f"request {rid!r}: prompt {len(request.prompt)} + max_new_tokens {request.max_new_tokens} needs "
-                    f"{request.max_len} positions but a sequence holds {r.max_seq_len}; shorten it or raise max_seq_len")
+                    f"{request.max_len} positions but a sequence holds {r.max_seq_len}; shorten it or raise "
+                    f"max_seq_len")
         pages = -(-request.max_len // r.page_size)
         if pages > r.num_pages:
             return (f"request {rid!r} needs {pages} KV pages but the cache has {r.num_pages}; shorten it or raise "

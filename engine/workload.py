@@ -18,9 +18,11 @@ from .engine import Engine
 from .request import Request, RequestState
 from .sampling import SamplingParams
 
+GREEDY = SamplingParams()
+
 
 def make_requests(num: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, *,
-                  seed: int = 0, sampling: SamplingParams = SamplingParams(), rate: float | None = None,
+                  seed: int = 0, sampling: SamplingParams = GREEDY, rate: float | None = None,
                   prefix: str = "req") -> list[Request]:
     """``num`` requests with lengths uniform in the inclusive ranges; with ``rate``, Poisson
     arrival times (exponential gaps of mean ``1 / rate`` seconds), else all at 0.
