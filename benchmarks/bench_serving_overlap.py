@@ -71,11 +71,13 @@ def runner_loop_ms(runner: M3Runner, batch: int, context: int, steps: int) -> fl
     """``runner.step`` per decode step (greedy tokens read on the host every step)."""
     ids = [f"loop{i}" for i in range(batch)]
     g = torch.Generator().manual_seed(7)
-    for sid in ids:
+    toks = []
+    for sid in ids:  # prefill one request at a time, in chunks of the step capacity
         runner.add_request(sid)
-    out = runner.step([TokenChunk(s, 0, torch.randint(0, runner.vocab_size, (context,), generator=g).tolist())
-                       for s in ids])
-    toks = out.next_tokens
+        prompt = torch.randint(0, runner.vocab_size, (context,), generator=g).tolist()
+        for a in range(0, context, runner.max_tokens):
+            out = runner.step([TokenChunk(sid, a, prompt[a : a + runner.max_tokens])])
+        toks.append(out.next_tokens[0])
     times = []
     for _ in range(steps + 3):
         t0 = time.perf_counter()

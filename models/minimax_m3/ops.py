@@ -160,10 +160,13 @@ class FusedMoE:
         # A shape prepare() never saw (direct calls in tests) runs the default configuration.
         return self._configs.get(num_tokens) or default_moe_config(num_tokens)
 
-    def prepare(self, model: torch.nn.Module, num_tokens: int, extra: dict | None = None) -> None:
+    def prepare(self, model: torch.nn.Module, num_tokens: int, extra: dict | None = None,
+                tune: bool = True) -> None:
         """Choose the MoE configuration for ``num_tokens`` rows: every candidate runs on a probe
         (random hidden states routed by the first MoE layer's own router and weights) and is
-        compared with the torch reference; ``extra`` adds candidates (tests inject bad ones)."""
+        compared with the torch reference; ``extra`` adds candidates (tests inject bad ones).
+        ``tune=False`` validates the default configuration alone (no timing): for row counts no
+        graph has, which a serving loop meets by the hundred and must not autotune mid-run."""
         from .kernels.moe import fused_moe_torch, moe_config_candidates
 
         if num_tokens in self._configs:
@@ -177,8 +180,8 @@ class FusedMoE:
         ids, w = self.route(moe, x, None)
         sh = moe.shared_experts
         configs = moe_config_candidates(num_tokens)
-        if dev.type != "cuda":
-            configs = configs[:1]  # the interpreter is slow: validate the default only
+        if dev.type != "cuda" or not tune:
+            configs = configs[:1]  # the default only (and the interpreter is slow)
         by_name = {f"config{i}": c for i, c in enumerate(configs)}
         candidates = {name: (lambda c=c: self.experts(moe, x, ids, w, c)) for name, c in by_name.items()}
         candidates.update(extra or {})
@@ -209,10 +212,11 @@ class M3Ops:
     moe: Callable[..., torch.Tensor]
     tuner: KernelTuner | None = None
 
-    def prepare(self, model: torch.nn.Module, num_tokens: int) -> None:
-        """Host work before a forward of ``num_tokens`` rows (outside any capture)."""
+    def prepare(self, model: torch.nn.Module, num_tokens: int, tune: bool = True) -> None:
+        """Host work before a forward of ``num_tokens`` rows (outside any capture); ``tune``:
+        time the candidate kernels (else the default is validated alone)."""
         if isinstance(self.moe, FusedMoE):
-            self.moe.prepare(model, num_tokens)
+            self.moe.prepare(model, num_tokens, tune=tune)
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:

@@ -113,8 +113,10 @@ class M3Runner:
 
     def _prepare(self, step: Step, padding: Padding) -> None:
         """The manager's host hook before every run: kernel choices for this row count (made
-        once, validated against the torch reference), then the attention plan."""
-        self.model.ops.prepare(self.model, padding.rows)
+        once, validated against the torch reference; timed only for bucket sizes, since eager
+        steps of any other size must not autotune mid-serving), then the attention plan."""
+        sizes = (self.manager.buckets, self.manager.whole_buckets)
+        self.model.ops.prepare(self.model, padding.rows, tune=any(padding.rows in b for b in sizes))
         self.backend.plan(step, padding)
 
     def _before_capture(self, manager: CaptureManager) -> None:
