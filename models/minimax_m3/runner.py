@@ -216,7 +216,7 @@ class M3Runner:
         Raises:
             ValueError, RuntimeError: see ``MetadataBuilder.check``; nothing is reserved then.
         """
-        self.builder.check(chunks, self.model.config.vocab_size)
+        self.check(chunks)
         for ch in chunks:
             self.cache.reserve(ch.seq_id, ch.end_pos)
         meta = self.builder.build(chunks)
@@ -228,7 +228,7 @@ class M3Runner:
     def check(self, chunks: Sequence[TokenChunk]) -> None:
         """Raise the error ``step(chunks)`` would raise, before anything is reserved or written
         (see ``MetadataBuilder.check``); a scheduler uses it to find a step's faulty request."""
-        self.builder.check(chunks, self.model.config.vocab_size)
+        self.builder.check(chunks, self.vocab_size)
 
     def _last_rows(self, step: Step) -> torch.Tensor:
         """``int64 [num_chunks]`` device index of each chunk's last token, from the device
