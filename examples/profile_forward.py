@@ -2,6 +2,11 @@
 
     python examples/profile_forward.py                                 # tiny preset, CPU or GPU
     python examples/profile_forward.py --preset rank-of-8 --layers 8   # per-GPU shapes of TP8/EP8
+    torchrun --nproc-per-node 2 examples/profile_forward.py --preset real --layers 8 --tp 2
+
+With ``--tp N`` (under torchrun) the preset's whole model is sharded over the N ranks (TP for
+attention, dense MLP, shared expert and vocab, EP for the routed experts) and the all-reduces
+run inside the captured segments; rank 0 prints, the JSON holds every rank's times.
 
 On a GPU the runner replays CUDA graphs (segments with eager attention splices, and whole
 graphs for uniform decode); on a CPU it runs the same padded, guarded segment/splice path
@@ -23,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from attention.metadata import TokenChunk
+from distributed import group_for_tp
 from graphcap import CaptureConfig
 from graphcap.report import coverage_table, kernel_table, measure_coverage, stats_table
 from graphcap.validation import relative_error
@@ -64,11 +70,18 @@ def main() -> None:
     p.add_argument("--producer", default="auto", help="auto | torch | triton (the producer op table)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--tp", type=int, default=None, help="shard over N ranks (launch with torchrun --nproc-per-node N)")
     args = p.parse_args()
 
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = MiniMaxM3Config.preset(args.preset)
+    if args.tp is not None and config.tp_size > 1:
+        sys.exit(f"--tp shards a whole model; {args.preset} is already one rank of TP{config.tp_size} "
+                 f"(use --preset real --tp {config.tp_size})")
+    group = group_for_tp(args.tp, args.device)
+    device = group.device if group else args.device
+    rank = group.rank if group else 0
     if args.layers:
         config = config.first_layers(args.layers)
     sizes = [int(x) for x in args.decode.split(",")]
@@ -77,24 +90,25 @@ def main() -> None:
     buckets = tuple(sorted({*sizes, ceiling}))
     graphs = CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=not cuda)
     graphed = build_from_preset(
-        config, args.device, dtype, backend="auto", max_tokens=max(ceiling, args.prefill_chunk), max_seqs=max_seqs,
-        max_seq_len=args.context + args.chunk + 8, producer=args.producer, capture=graphs,
+        config, device, dtype, backend="auto", max_tokens=max(ceiling, args.prefill_chunk), max_seqs=max_seqs,
+        max_seq_len=args.context + args.chunk + 8, producer=args.producer, capture=graphs, group=group,
     )
     eager = graphed.with_capture(CaptureConfig(max_tokens=ceiling))
     # Eager through the same padded segment/splice path: the same kernels at the same shapes
     # as the replay, so graph vs this is the graph's own error.
     padded = graphed.with_capture(CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=True))
-    console = Console(width=None if sys.stdout.isatty() else 130)
-    console.print(f"MiniMax-M3 {args.preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                  f"{config.num_attention_heads} q / {config.num_key_value_heads} kv heads, {config.num_local_experts} "
-                  f"experts; {args.device} {dtype}; attention {graphed.backend.describe()}; "
-                  f"ops {graphed.model.ops.name}")
+    console = Console(width=None if sys.stdout.isatty() else 130, quiet=rank != 0)
+    c = graphed.model.config
+    console.print(f"MiniMax-M3 {args.preset}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+                  f"{c.num_attention_heads} q / {c.num_key_value_heads} kv heads, {c.num_experts_per_rank} of "
+                  f"{c.num_local_experts} experts" + (f" per rank of TP{args.tp}/EP{args.tp}" if group else "")
+                  + f"; {device} {dtype}; attention {graphed.backend.describe()}; ops {graphed.model.ops.name}")
     t0 = time.perf_counter()
     graphed.capture()
     failures = graphed.validate()
     capture_s = time.perf_counter() - t0
 
-    vocab = config.vocab_size
+    vocab = graphed.vocab_size
     gen = torch.Generator().manual_seed(0)
     for i in range(max_seqs):  # admit requests and prefill their prompts eagerly
         eager.add_request(i)
@@ -147,10 +161,12 @@ def main() -> None:
             console.print(kernel_table(cov, top=20), f"[dim]{name}: kernels inside graphs[/dim]")
     console.print(f"capture + validation {capture_s:.1f} s; validation failures: {failures or 'none'}"
                   + ("" if cuda else "  (CPU: debug-eager path, no graphs)"))
-    if args.json:
+    every_rank = group.gather_object(rows) if group else [rows]
+    if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump(dict(
-                preset=args.preset, layers=config.num_hidden_layers, device=args.device,
+                preset=args.preset, layers=config.num_hidden_layers, device=args.device, tp=args.tp or 1,
+                rows_by_rank=every_rank,
                 gpu=torch.cuda.get_device_name() if cuda else None, dtype=str(dtype),
                 backend=graphed.backend.describe(), ops=graphed.model.ops.name,
                 context=args.context, chunk=args.chunk, rows=rows, coverage=coverage, capture_and_validate_s=capture_s,
@@ -158,7 +174,11 @@ def main() -> None:
                 buckets={f"{b}{'/whole' if full else ''}": vars(s)
                          for (b, full), s in graphed.manager.stats.buckets.items()},
             ), f, indent=2)
-    worst = max(r["rel_err"] for r in rows)
+    worst = max(r["rel_err"] for rank_rows in every_rank for r in rank_rows)
+    for runner in (graphed, eager, padded):
+        runner.destroy()  # graphs hold NCCL work: free them before the process group
+    if group:
+        group.destroy()
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     if worst > tol:
         raise SystemExit(f"graphed logits differ from eager at the same shapes (relative error {worst:.2e} > {tol})")

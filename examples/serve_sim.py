@@ -4,6 +4,11 @@
     python examples/serve_sim.py --preset rank-of-8 --modes none,decode,full_and_piecewise \\
         --concurrency 30 --requests 45 --prompt-len 800:3200 --output-len 48:160 --chunk 1024
 
+Under ``torchrun --nproc-per-node N ... --tp N`` every rank runs the same engine on its shard
+(the same requests, hence the same steps; every rank samples the gathered logits alike) and
+rank 0 reports. Open loop is refused there: arrivals follow each rank's own clock, so the ranks
+would compose different steps and their collectives would not pair up.
+
 Closed loop (``--concurrency C``: C requests in the system, a new one enters as one ends) or
 open loop (``--rate R``: Poisson arrivals, R requests per second). Each mode gets a runner
 over the same weights and cache (``runner.with_capture``), captures, serves a short warm-up
@@ -27,6 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from distributed import group_for_tp
 from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig, make_requests, serve, summarize
 from graphcap import CaptureConfig
 from graphcap.config import MODES
@@ -99,13 +105,13 @@ def run_mode(base: M3Runner, mode: str, args, requests, warmup, cuda: bool, cons
     if profiler is not None:
         profiler.stop()
         profiler.export_chrome_trace(args.trace)
+    runner.manager.release()  # before the figures: every rank frees its graphs at the same point
     out = {"mode": mode, "capture_s": capture_s, **summarize(engine, wall), **bucket_figures(runner, before)}
     if cuda:
         out["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     out["per_user"] = sorted((len(s.output) - 1) / (s.t_done - s.t_first) for s in engine.states.values()
                              if len(s.output) > 1 and s.t_done > s.t_first)
     out["ttft"] = sorted(s.t_first - s.t_submit for s in engine.states.values() if s.t_first is not None)
-    runner.manager.release()
     if cuda:
         torch.cuda.empty_cache()
     return out
@@ -193,6 +199,7 @@ def main() -> None:
     p.add_argument("--trace-start", type=int, default=20)
     p.add_argument("--trace-steps", type=int, default=4)
     p.add_argument("--plot", default=None, help="PNG of per-user tok/s and TTFT by mode (needs matplotlib)")
+    p.add_argument("--tp", type=int, default=None, help="shard over N ranks (launch with torchrun --nproc-per-node N)")
     args = p.parse_args()
     d = DEFAULTS["tiny" if args.preset == "tiny" and not args.checkpoint else "other"]
     for k, v in d.items():
@@ -204,11 +211,17 @@ def main() -> None:
         sys.exit(f"--modes: {bad} are not modes; pick from {', '.join(MODES)}")
     prompt_len, output_len = span(args.prompt_len), span(args.output_len)
     args.token_budget = args.token_budget or args.chunk + args.concurrency
+    if args.tp is not None and args.tp > 1 and args.rate:
+        sys.exit("--rate with --tp > 1: open-loop arrivals follow each rank's clock, so ranks would build different "
+                 "steps and their collectives would hang; use --concurrency (closed loop)")
+    if args.tp is not None and not args.checkpoint and MiniMaxM3Config.preset(args.preset).tp_size > 1:
+        sys.exit(f"--tp shards a whole model; {args.preset} is already one rank of a shard (use --preset real)")
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
+    group = group_for_tp(args.tp, args.device)
     max_seq_len = prompt_len[1] + output_len[1]
-    kw = dict(device=args.device, dtype=dtype, backend="auto", max_tokens=args.token_budget,
-              max_seqs=args.concurrency, max_seq_len=max_seq_len)
+    kw = dict(device=group.device if group else args.device, dtype=dtype, backend="auto", max_tokens=args.token_budget,
+              max_seqs=args.concurrency, max_seq_len=max_seq_len, group=group)
     if args.checkpoint:
         base = build_from_checkpoint(args.checkpoint, num_layers=args.layers, **kw)
     else:
@@ -224,20 +237,26 @@ def main() -> None:
                              sampling=sampling, rate=args.rate)
     warmup = make_requests(min(4, args.concurrency), (prompt_len[0], prompt_len[0]), (4, 4), base.vocab_size,
                            seed=args.seed + 1, sampling=sampling, prefix="warmup")
-    console = Console()
+    rank = group.rank if group else 0
+    console = Console(quiet=rank != 0)
     layers = base.model.config.num_hidden_layers
     console.print(f"{args.checkpoint or args.preset} ({layers} layers) on {args.device}: {args.requests} requests, "
                   + (f"Poisson {args.rate}/s" if args.rate else f"concurrency {args.concurrency}")
                   + f", prompts {prompt_len}, outputs {output_len}, chunk {args.chunk}, budget {args.token_budget}, "
-                  + f"overlap {'off' if args.no_overlap else 'on'}")
+                  + f"overlap {'off' if args.no_overlap else 'on'}" + (f", TP{args.tp}/EP{args.tp}" if group else ""))
     results = []
     for i, mode in enumerate(modes):
         results.append(run_mode(base, mode, args, requests, warmup, cuda, console,
-                                trace=bool(args.trace) and i == len(modes) - 1))
+                                trace=bool(args.trace) and i == len(modes) - 1 and rank == 0))
         r = results[-1]
         console.print(f"{mode}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 {r['ttft_s_p50']:.3f} s, "
                       f"{r['steps']} steps in {r['wall_s']:.1f} s")
     console.print(table(results))
+    base.destroy()
+    if group:
+        group.destroy()
+    if rank != 0:
+        return
     if args.json:
         meta = dict(vars(args), layers=layers, gpu=torch.cuda.get_device_name() if cuda else None)
         with open(args.json, "w") as f:

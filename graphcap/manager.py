@@ -33,6 +33,7 @@ from .config import CaptureConfig
 from .frozen import compare_segments
 from .guard import CaptureGuard
 from .memory import CaptureOutOfMemory, out_of_memory, pool_bytes
+from .peers import Gather, Peers
 from .registry import Source, StorageRegistry
 from .segments import BreakableGraph, EagerDriver, Forward, capture_bucket, frozen_gc, run_eager
 from .splice import Step, step_context
@@ -65,6 +66,9 @@ class CaptureManager:
             requests; every row real) for ``validate`` (default: ``dummy_step``).
         frozen_step: steps on other data again, with fewer real tokens where the bucket allows,
             for ``detect_frozen`` (default: ``sample_step``).
+        gather: ``gather(obj) -> [every rank's obj]`` over the ranks that capture together
+            (tensor parallelism): bucket lists must match and every dropped graph is dropped
+            on all ranks (``graphcap.peers``). Default: a single process.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class CaptureManager:
         request_capacity: int | None = None,
         sample_step: DummyStep | None = None,
         frozen_step: DummyStep | None = None,
+        gather: Gather | None = None,
     ) -> None:
         if config.max_tokens > inputs.max_tokens:
             raise ValueError(
@@ -98,6 +103,7 @@ class CaptureManager:
         self.buckets = bucket_list(config, self.whole_buckets)
         self.device = inputs.device
         self.stats = CaptureStats()
+        self.peers = Peers(gather)
         self.registry = StorageRegistry()
         self.registry.add("static_inputs", inputs.tensors())
         self.failures: dict[Key, str] = {}
@@ -166,16 +172,28 @@ class CaptureManager:
         when configured. In debug-eager mode nothing is captured; each whole-graph bucket is
         run once, guarded, to learn (as a GPU warm-up would) which ones the splices allow.
 
+        Under several ranks (``gather``) capture is collective: every rank calls it at the same
+        point, with the same buckets, and a capture that failed on any rank fails on all.
+
         Raises:
             CaptureViolation: producer code synced with the host or read a CPU tensor; the
                 error names the segment and the op. The manager is left with no graphs.
             CaptureOutOfMemory: the GPU ran out of memory; every graph and the pool are freed.
+            ValueError: the ranks' bucket lists differ.
+            RuntimeError: the capture failed on another rank (this one's graphs are freed).
         """
+        if self.config.captures:
+            self.peers.require_same("graph buckets (bucket, whole decode)", self.keys())
         if not self.uses_graphs:
             if self.config.captures and self.dummy_step is not None:
+                unsafe = {}
                 for key in (k for k in self.keys() if k[1] and k not in self._unavailable):
                     step = self.dummy_step(*key)
-                    self._mark_unsafe(key, self._run_padded(step, self._padding_of(step, key), guard=True)[1])
+                    driver = self._run_padded(step, self._padding_of(step, key), guard=True)[1]
+                    if driver.unsafe:
+                        unsafe[key] = ", ".join(sorted(driver.unsafe))
+                for key, names in self.peers.union(unsafe).items():
+                    self._skip(key, names)
             return
         if self.dummy_step is None:
             raise ValueError("CaptureManager.capture() needs dummy_step(bucket, whole_graph) to build capture inputs")
@@ -215,10 +233,22 @@ class CaptureManager:
             traceback.clear_frames(e.__traceback__)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+            self.peers.all_ok(False)  # the other ranks drop their graphs too (see below)
             raise CaptureOutOfMemory(out_of_memory(what, graphs, held, self.device, e)) from None
+        except Exception:
+            self._release()
+            self.peers.all_ok(False)
+            raise
         except BaseException:
             self._release()
             raise
+        # Capture records collectives without running them, so a rank that failed while
+        # capturing reaches this agreement too. (One that fails while warm-up runs collectives
+        # eagerly leaves the others waiting in that collective until NCCL's timeout.)
+        if not self.peers.all_ok(True):
+            self._release()
+            raise RuntimeError("graph capture failed on another rank (its error says why); this rank's graphs "
+                               "were freed so that all ranks replay the same graphs")
         self.registry.snapshot()
         self._captured = True
         self._stale = None
@@ -255,24 +285,33 @@ class CaptureManager:
             return driver
 
         with torch.cuda.stream(stream):
-            whole = [k for k in self.keys() if k[1] and not self._mark_unsafe(k, run(k))]
+            unsafe = {}
+            for key in (k for k in self.keys() if k[1]):
+                driver = run(key)
+                if driver.unsafe:
+                    unsafe[key] = ", ".join(sorted(driver.unsafe))
+            for key, names in self.peers.union(unsafe).items():
+                self._skip(key, names)
+            whole = [k for k in self.keys() if k[1] and k not in self._unavailable]
             segmented = [k for k in self.keys() if not k[1]]
             for key in segmented:
                 run(key)
         torch.cuda.synchronize(self.device)
         return sorted(whole + segmented, key=lambda k: (-k[0], k[1]))
 
-    def _mark_unsafe(self, key: Key, driver: EagerDriver) -> bool:
-        """Skip a whole-graph key whose splices are not graph-safe for it; True when skipped.
-        Its steps then run segmented: with derived buckets its size gets a segmented graph."""
-        if not driver.unsafe:
-            return False
+    def _mark_unsafe(self, key: Key, driver: EagerDriver) -> None:
+        """Skip a whole-graph key whose splices were not graph-safe in ``driver``'s run."""
+        if driver.unsafe:
+            self._skip(key, ", ".join(sorted(driver.unsafe)))
+
+    def _skip(self, key: Key, splices: str) -> None:
+        """Skip a whole-graph key whose splices are not graph-safe for it. Its steps then run
+        segmented: with derived buckets its size gets a segmented graph."""
         stats = self.stats.bucket(*key)
-        stats.status, stats.reason = "skipped", f"splices not graph-safe for decode: {', '.join(sorted(driver.unsafe))}"
+        stats.status, stats.reason = "skipped", f"splices not graph-safe for decode: {splices}"
         self._unavailable.add(key)
         if self.config.buckets is None and self.config.segmented_graphs and key[0] not in self.buckets:
             self.buckets = tuple(sorted((*self.buckets, key[0])))
-        return True
 
     def _capture_one(self, key: Key, stream: torch.cuda.Stream) -> None:
         graph = self._capture_step(key, self.dummy_step, self._pool, stream, keep_graph=self.config.detect_frozen)
@@ -288,6 +327,16 @@ class CaptureManager:
         """Drop every graph and the pool now (their memory returns to the allocator); the next
         ``run`` captures again."""
         self._release()
+
+    def destroy(self) -> None:
+        """Free every graph, the pool and the capture stream, and remove the registry's module
+        hooks; the manager is unusable afterwards. Under torch.distributed, call it before the
+        process group is destroyed: graphs hold NCCL work on its communicators."""
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)  # replays still queued read the graphs
+        self._release()
+        self._stream = None
+        self.registry.close()
 
     def _release(self) -> None:
         """Drop every graph and the pool; stale addresses are never replayed."""
@@ -428,6 +477,7 @@ class CaptureManager:
                 t.copy_(before[k])
             if problems:
                 failures[key] = "; ".join(problems)
+        failures = self.peers.union(failures)
         for key, reason in failures.items():
             self._drop(key, reason)
         self.stats.validate_s = time.perf_counter() - t0
@@ -465,6 +515,7 @@ class CaptureManager:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+        failures = self.peers.union(failures)
         for key, reason in failures.items():
             self._drop(key, reason)
         self.stats.frozen_s = time.perf_counter() - t0

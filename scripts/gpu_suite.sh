@@ -9,7 +9,9 @@
 # rank-of-8 profile), producers (60-layer producer benchmark), startup (60-layer start-up: cold
 # and warm start, phases, memory per bucket), serve (60-layer serving simulation by capture mode),
 # overlap (decode step wall vs GPU-busy through the engine), soak (10k-step serving soak with
-# recaptures and checks), or a pytest path.
+# recaptures and checks), tp (tensor parallelism through NCCL: the parallel tests, then
+# profile_forward under torchrun at real width, --tp 1 beside the same run without a group, and
+# --tp <GPUs> when the machine has several), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -56,6 +58,15 @@ for part in "${parts[@]}"; do
     serve)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes ${SERVE_MODES:-decode,full_and_piecewise,none} --json "$OUT/serve_sim_rank_of_8.json" --plot "$OUT/serve_sim_rank_of_8.png" --trace "$OUT/serve_sim_trace.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     overlap)    $T python3 benchmarks/bench_serving_overlap.py --json "$OUT/bench_serving_overlap.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     soak)       $T python3 benchmarks/soak_serving.py --steps ${SOAK_STEPS:-10000} --json "$OUT/soak_serving.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    tp)         NGPU=$(nvidia-smi -L | wc -l); L=${TP_LAYERS:-4}
+                PF="examples/profile_forward.py --preset real --layers $L --decode 1,8,32 --context 1000 --iters 20"
+                $T python3 -m pytest -q -rs --timeout 400 tests/parallel 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+                $T python3 $PF --json "$OUT/profile_real${L}_nogroup.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                $T python3 -m torch.distributed.run --nproc-per-node 1 $PF --tp 1 --json "$OUT/profile_real${L}_tp1.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                if [ "$NGPU" -ge 2 ]; then
+                  $T python3 -m torch.distributed.run --nproc-per-node "$NGPU" $PF --tp "$NGPU" --json "$OUT/profile_real${L}_tp${NGPU}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                  $T python3 -m torch.distributed.run --nproc-per-node "$NGPU" examples/serve_sim.py --preset real --layers $L --tp "$NGPU" --modes decode,full_and_piecewise --requests 24 --concurrency 16 --prompt-len 200:800 --output-len 32:64 --chunk 512 --json "$OUT/serve_sim_real${L}_tp${NGPU}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                fi ;;
     producers)  $T python3 benchmarks/bench_m3_producers.py --json "$OUT/bench_m3_producers.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac

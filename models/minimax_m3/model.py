@@ -21,6 +21,7 @@ from torch import nn
 
 from attention.base import AttentionBackend
 from attention.rope import rope_inv_freq
+from distributed import ParallelGroup, vocab_parallel
 from graphcap.scratch import SpliceBuffers
 from kvcache.paged import PagedKVCache
 
@@ -42,6 +43,8 @@ class LayerInputs(NamedTuple):
         cache, backend, ops: the paged cache, the attention backend and the op table.
         buffers: the activations that cross the attention splice (``q``, ``index_q``,
             ``attn_out``), one set shared by every layer and every bucket.
+        group: the ranks the model is sharded over; the row-parallel outputs (o_proj, MLP and
+            MoE) are summed over it (no-ops for an unsharded model).
     """
 
     positions: torch.Tensor
@@ -52,6 +55,7 @@ class LayerInputs(NamedTuple):
     backend: AttentionBackend
     ops: M3Ops
     buffers: SpliceBuffers
+    group: ParallelGroup
 
 
 class M3Attention(nn.Module):
@@ -92,7 +96,8 @@ class M3Attention(nn.Module):
 
 
 class M3DecoderLayer(nn.Module):
-    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(self, c: MiniMaxM3Config, layer: int, dtype: torch.dtype, device: torch.device | str | None,
+                 expert_offset: int = 0) -> None:
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.self_attn = M3Attention(c, layer, dtype, device)
@@ -102,7 +107,7 @@ class M3DecoderLayer(nn.Module):
             self.block_sparse_moe = BlockSparseMoE(
                 c.hidden_size, c.num_local_experts, c.num_experts_per_rank, c.num_experts_per_tok,
                 c.intermediate_size, c.shared_width, c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
-                dtype, device,
+                dtype, device, expert_offset,
             )
         else:
             self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype, device)
@@ -112,23 +117,26 @@ class M3DecoderLayer(nn.Module):
         """The residual stream in fused-norm form: ``x`` is the previous layer's output (the
         embedding for layer 0, with ``residual=None``), added to ``residual`` by the fused
         add + norm that starts this layer. Returns this layer's MLP/MoE output and the residual
-        stream ``[T, H]`` (the op table may update both in place)."""
-        ops, eps = li.ops, self.input_layernorm.eps
+        stream ``[T, H]`` (the op table may update both in place). Under tensor parallelism
+        the attention and MLP/MoE outputs are this rank's partial sums until the all-reduce."""
+        ops, eps, n = li.ops, self.input_layernorm.eps, li.num_real_tokens
         if residual is None:
             residual, h = x, ops.rmsnorm(x, self.input_layernorm.weight, eps)
         else:
             h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-        a = self.self_attn(h, li)
+        a = li.group.all_reduce_(self.self_attn(h, li), n)
         b, residual = ops.add_rmsnorm(a, residual, self.post_attention_layernorm.weight, eps)
-        out = self.block_sparse_moe(b, li.num_real_tokens, ops) if self.is_moe else ops.mlp(self.mlp, b)
-        return out, residual
+        out = self.block_sparse_moe(b, n, ops) if self.is_moe else ops.mlp(self.mlp, b)
+        return li.group.all_reduce_(out, n), residual
 
 
 class M3Model(nn.Module):
-    def __init__(self, c: MiniMaxM3Config, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(self, c: MiniMaxM3Config, dtype: torch.dtype, device: torch.device | str | None,
+                 expert_offset: int = 0) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(M3DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(M3DecoderLayer(c, i, dtype, device, expert_offset)
+                                    for i in range(c.num_hidden_layers))
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
 
 
@@ -145,16 +153,33 @@ class MiniMaxM3ForCausalLM(nn.Module):
             (``weights.load_checkpoint``) or call ``init_random_``.
         producer: ``auto``, ``torch`` or ``triton``; moe_impl: ``auto``, ``grouped`` or ``loop``
             (the op table, ``models.minimax_m3.ops.make_ops``, chosen once here).
+        group: the ranks of a sharded model (``config`` is then ``full.shard(W, W)`` for world
+            size W, and this process is rank ``group.rank``): vocab-parallel embedding and
+            logits, all-reduces after o_proj and the MLP/MoE, experts
+            ``[rank * E/W, (rank+1) * E/W)``. Default: one process, no collectives (a sharded
+            config then models one rank with the collectives left out, as ``rank_of_8``).
+
+    Raises:
+        ValueError: a distributed ``group`` whose world size differs from the config's
+            ``tp_size`` or ``ep_size``.
     """
 
     def __init__(self, config: MiniMaxM3Config, cache: PagedKVCache | None = None,
                  backend: AttentionBackend | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, moe_impl: str = "auto", producer: str = "auto") -> None:
+                 device: torch.device | str | None = None, moe_impl: str = "auto", producer: str = "auto",
+                 group: ParallelGroup | None = None) -> None:
         super().__init__()
-        self.config = config
+        group = group or ParallelGroup.single(device or "cpu")
+        if group.distributed and not config.tp_size == config.ep_size == group.world_size:
+            raise ValueError(
+                f"the process group has {group.world_size} ranks but the config is sharded tp_size={config.tp_size}, "
+                f"ep_size={config.ep_size}; build it with full_config.shard({group.world_size}, {group.world_size})"
+            )
+        self.config, self.group = config, group
         self.dtype = dtype or config.torch_dtype
         self.ops = make_ops(producer, device, self.dtype, moe_impl)
-        self.model = M3Model(config, self.dtype, device)
+        offset = group.rank * config.num_experts_per_rank if group.distributed else 0
+        self.model = M3Model(config, self.dtype, device, offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype, device=device)
         self.requires_grad_(False)  # inference only: no autograd graph through the forward
         self.register_buffer("rope_inv_freq", rope_inv_freq(config.rope_theta, config.rotary_dim, device),
@@ -210,25 +235,41 @@ class MiniMaxM3ForCausalLM(nn.Module):
         cache, backend, buffers = self.cache, self.backend, self.splice_buffers
         if cache is None or backend is None or buffers is None:
             raise RuntimeError("attach(cache, backend) before running the forward")
-        li = LayerInputs(inputs["positions"], inputs["slot_mapping"], inputs.get("num_real_tokens"),
-                         self.rope_inv_freq, cache, backend, self.ops, buffers)
-        x, residual = self.model.embed_tokens(inputs["input_ids"]), None
+        n = inputs.get("num_real_tokens")
+        li = LayerInputs(inputs["positions"], inputs["slot_mapping"], n, self.rope_inv_freq, cache, backend,
+                         self.ops, buffers, self.group)
+        x = vocab_parallel.embed(self.model.embed_tokens.weight, inputs["input_ids"], self.group, n)
+        residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, li)
         norm = self.model.norm
         return self.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts and logits it returns: the full vocabulary when sharded
+        over a group, else the config's rows (a one-rank model keeps only its own)."""
+        return self.config.vocab_size * (self.group.world_size if self.group.distributed else 1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, H]`` -> ``[N, vocab_size]`` (lm_head, untied)."""
-        return self.lm_head(hidden)
+        """``[N, H]`` -> ``[N, vocab_size]`` (lm_head, untied; gathered over the group)."""
+        return vocab_parallel.logits(self.lm_head, hidden, self.group)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> None:
         """Fill every parameter with deterministic random values of a sensible scale:
         linear and expert weights ``N(0, 1/fan_in)``, embeddings ``N(0, 1)``, norm offsets
-        and the routing bias ``N(0, 0.1^2)``."""
+        and the routing bias ``N(0, 0.1^2)``.
+
+        Sharded over a group, the replicated parameters (norms, routing bias, router) are equal
+        on every rank, so all ranks route alike; the sharded ones are drawn per rank (a valid
+        model of the sharded shapes, not slices of one unsharded model: load a checkpoint for
+        that)."""
+        salt = self.group.rank * 7_919 if self.group.distributed else 0
         for name, p in self.named_parameters():
-            gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + _stable_hash(name))
+            replicated = p.dim() == 1 or name.endswith(".gate.weight")
+            key = seed * 1_000_003 + _stable_hash(name) + (0 if replicated else salt)
+            gen = torch.Generator(device=p.device).manual_seed(key)
             if p.dim() == 1:
                 std = 0.1
             elif "embed_tokens" in name:

@@ -35,6 +35,7 @@ from attention.base import AttentionBackend
 from attention.dims import AttentionDims
 from attention.metadata import MetadataBuilder, TokenChunk, TokenFeed
 from attention.registry import make_backend
+from distributed import ParallelGroup
 from graphcap import CaptureConfig, CaptureManager, InputSpec, Padding, StaticInputs, Step
 from graphcap.config import is_int
 from kvcache.paged import PagedKVCache
@@ -90,7 +91,7 @@ class M3Runner:
                               self.max_tokens, self.device)
         m = CaptureManager(self.model.hidden_states, static, capture, prepare=self._prepare,
                            dummy_step=self.dummy_step, before_capture=self._before_capture,
-                           request_capacity=self.max_seqs,
+                           request_capacity=self.max_seqs, gather=self.model.group.gather_object,
                            sample_step=lambda bucket, whole: self.dummy_step(bucket, whole, variant=1),
                            frozen_step=lambda bucket, whole: self.dummy_step(bucket, whole, variant=2))
         cache, builder, backend = self.cache, self.builder, self.backend
@@ -156,7 +157,14 @@ class M3Runner:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        """Token ids a step may hold (the full vocabulary under tensor parallelism)."""
+        return self.model.vocab_size
+
+    def destroy(self) -> None:
+        """Free every graph, its pool and the capture stream (``CaptureManager.destroy``).
+        Under a process group, call it on every rank before ``group.destroy()``: captured NCCL
+        work must not outlive its communicator."""
+        self.manager.destroy()
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, seq_id: Hashable) -> None:
@@ -338,7 +346,7 @@ class M3Runner:
                     f"capture_reserve(max_tokens, max_seqs, page_size, max_seq_len) rows and pages"
                 ) from None
             self._dummies.append(sid)
-            ids = torch.randint(0, self.model.config.vocab_size, (m,), generator=gen) if variant else [0] * m
+            ids = torch.randint(0, self.vocab_size, (m,), generator=gen) if variant else [0] * m
             chunks.append(TokenChunk(sid, g % ps, ids))
         return self.make_step(chunks)
 
@@ -389,14 +397,25 @@ def _build(model: MiniMaxM3ForCausalLM, device: torch.device | str, backend: str
     return M3Runner(model, cache, make_backend(backend, cache, dims), max_tokens, max_seqs, capture)
 
 
+def sharded_for(config: MiniMaxM3Config, group: ParallelGroup | None) -> MiniMaxM3Config:
+    """``config`` as one rank of ``group``: a whole model is sharded ``shard(W, W)``; an
+    already sharded one is kept (the model checks that it fits the group)."""
+    if group is None or not group.distributed or (config.tp_size, config.ep_size) != (1, 1):
+        return config
+    return config.shard(group.world_size, group.world_size)
+
+
 def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       *, seed: int = 0, backend: str = "torch", max_tokens: int = 512, max_seqs: int = 8,
                       max_seq_len: int = 4096, num_pages: int | None = None, moe_impl: str = "auto",
-                      producer: str = "auto", capture: CaptureConfig | None = None) -> M3Runner:
+                      producer: str = "auto", capture: CaptureConfig | None = None,
+                      group: ParallelGroup | None = None) -> M3Runner:
     """A runner over a preset (``tiny``, ``slice``, ``rank_of_8``, ``real``) or a config, with
-    random weights (``init_random_(seed)``)."""
+    random weights (``init_random_(seed)``); with a distributed ``group``, this rank's shard of
+    the whole config (``sharded_for``)."""
     config = name if isinstance(name, MiniMaxM3Config) else MiniMaxM3Config.preset(name)
-    model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl, producer=producer)
+    model = MiniMaxM3ForCausalLM(sharded_for(config, group), dtype=dtype, device=device, moe_impl=moe_impl,
+                                 producer=producer, group=group)
     model.init_random_(seed)
     return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
 
@@ -406,12 +425,14 @@ def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str 
                           *, num_layers: int | None = None, backend: str = "torch", max_tokens: int = 512,
                           max_seqs: int = 8, max_seq_len: int = 4096, num_pages: int | None = None,
                           moe_impl: str = "auto", producer: str = "auto",
-                          capture: CaptureConfig | None = None) -> M3Runner:
-    """A runner over a checkpoint folder; ``num_layers`` keeps only the first layers."""
+                          capture: CaptureConfig | None = None, group: ParallelGroup | None = None) -> M3Runner:
+    """A runner over a checkpoint folder; ``num_layers`` keeps only the first layers. With a
+    distributed ``group``, each rank streams only its own slices of the checkpoint."""
     config = MiniMaxM3Config.from_hf(folder)
     truncate = num_layers is not None and num_layers != config.num_hidden_layers
     if truncate:
         config = config.first_layers(num_layers)  # type: ignore[arg-type]
-    model = MiniMaxM3ForCausalLM(config, dtype=dtype, device=device, moe_impl=moe_impl, producer=producer)
+    model = MiniMaxM3ForCausalLM(sharded_for(config, group), dtype=dtype, device=device, moe_impl=moe_impl,
+                                 producer=producer, group=group)
     load_checkpoint(model, folder, truncate_layers=truncate)
     return _build(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)

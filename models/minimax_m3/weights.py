@@ -26,6 +26,8 @@ from typing import Any, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from distributed.sharding import head_slice, split_slice
+
 from .config import MiniMaxM3Config
 from .model import MiniMaxM3ForCausalLM
 
@@ -41,68 +43,100 @@ class Target:
     """Where one checkpoint tensor goes.
 
     Attributes:
-        param: model parameter name.
+        param: model parameter name, or None when another rank holds the tensor (a routed
+            expert of another EP rank: its header is checked, its data never read).
         index: indexing into that parameter (``()`` = whole; rows of a fused projection; an
             expert of a stacked tensor).
-        shape: the checkpoint tensor's expected shape.
+        shape: the checkpoint tensor's expected (full, unsharded) shape.
         fp32: stored in fp32 whatever the checkpoint dtype (router gate and bias).
+        source: indexing into the checkpoint tensor: the part this rank reads (``()`` = all).
     """
 
-    param: str
+    param: str | None
     index: tuple
     shape: tuple[int, ...]
     fp32: bool = False
+    source: tuple = ()
 
 
-def checkpoint_layout(c: MiniMaxM3Config) -> dict[str, Target]:
-    """Every text tensor of a checkpoint for ``c`` (keys without ``language_model.``)."""
+def checkpoint_layout(c: MiniMaxM3Config, rank: int = 0, world: int = 1) -> dict[str, Target]:
+    """Every text tensor of a checkpoint for the whole model ``c`` (keys without
+    ``language_model.``), mapped into rank ``rank`` of ``c.shard(world, world)``.
+
+    The sharding rules (``distributed.sharding``), TP and EP over the same ``world`` ranks:
+    q / kv / index-q heads by ``head_slice`` (kv and index heads replicated above ``world =
+    kv heads``), the index-key head whole; ``o_proj`` and ``down_proj`` by input columns;
+    dense MLP and shared expert gate/up by output rows; embed_tokens and lm_head by vocab rows;
+    routed experts ``[rank * E/W, (rank+1) * E/W)`` (the rest are not read); norms, router
+    and routing bias whole.
+    """
     if c.tp_size != 1 or c.ep_size != 1:
-        raise ValueError("checkpoints hold whole models; a sharded (tp/ep > 1) config has no checkpoint layout")
-    H = c.hidden_size
+        raise ValueError("checkpoints hold whole models; pass the unsharded config and the rank")
+    sh = c.shard(world, world) if world > 1 else c
+    H, every = c.hidden_size, slice(None)
+
+    def heads(n: int, d: int) -> slice:
+        return head_slice(n, d, rank, world)
+
+    vocab = split_slice(c.vocab_size, rank, world)
     out: dict[str, Target] = {
-        "model.embed_tokens.weight": Target("model.embed_tokens.weight", (), (c.vocab_size, H)),
+        "model.embed_tokens.weight": Target("model.embed_tokens.weight", (), (c.vocab_size, H), source=(vocab,)),
         "model.norm.weight": Target("model.norm.weight", (), (H,)),
-        "lm_head.weight": Target("lm_head.weight", (), (c.vocab_size, H)),
+        "lm_head.weight": Target("lm_head.weight", (), (c.vocab_size, H), source=(vocab,)),
     }
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[f"{p}{n}.weight"] = Target(f"{p}{n}.weight", (), (H,))
         a = p + "self_attn."
-        projs = [("q_proj", c.q_size), ("k_proj", c.kv_size), ("v_proj", c.kv_size)]
+        # (name, full rows, rows this rank reads): fused into qkv_proj in this order.
+        projs = [("q_proj", c.q_size, heads(c.num_attention_heads, c.head_dim)),
+                 ("k_proj", c.kv_size, heads(c.num_key_value_heads, c.head_dim)),
+                 ("v_proj", c.kv_size, heads(c.num_key_value_heads, c.head_dim))]
         norms = [("q_norm", c.head_dim), ("k_norm", c.head_dim)]
         if c.is_sparse(i):
-            projs += [("index_q_proj", c.index_q_size), ("index_k_proj", c.sparse_index_dim)]
+            projs += [("index_q_proj", c.index_q_size, heads(c.sparse_num_index_heads, c.sparse_index_dim)),
+                      ("index_k_proj", c.sparse_index_dim, every)]
             norms += [("index_q_norm", c.sparse_index_dim), ("index_k_norm", c.sparse_index_dim)]
         row = 0
-        for name, width in projs:
-            out[f"{a}{name}.weight"] = Target(f"{a}qkv_proj.weight", (slice(row, row + width),), (width, H))
-            row += width
+        for name, width, rows in projs:
+            local = len(range(width)[rows])
+            out[f"{a}{name}.weight"] = Target(f"{a}qkv_proj.weight", (slice(row, row + local),), (width, H),
+                                              source=() if local == width else (rows,))
+            row += local
+        assert row == sh.qkv_size(i)
         for name, width in norms:
             out[f"{a}{name}.weight"] = Target(f"{a}{name}.weight", (), (width,))
-        out[f"{a}o_proj.weight"] = Target(f"{a}o_proj.weight", (), (H, c.q_size))
+        q_cols = heads(c.num_attention_heads, c.head_dim)
+        out[f"{a}o_proj.weight"] = Target(f"{a}o_proj.weight", (), (H, c.q_size),
+                                          source=() if world == 1 else (every, q_cols))
         if c.is_moe(i):
             m = p + "block_sparse_moe."
-            E, inter = c.num_local_experts, c.intermediate_size
+            E, inter, held = c.num_local_experts, c.intermediate_size, split_slice(c.num_local_experts, rank, world)
             out[f"{m}gate.weight"] = Target(f"{m}gate.weight", (), (E, H), fp32=True)
             out[f"{m}e_score_correction_bias"] = Target(f"{m}e_score_correction_bias", (), (E,), fp32=True)
             for e in range(E):
-                x = f"{m}experts.{e}."
-                out[f"{x}w1.weight"] = Target(f"{m}experts.w13", (e, slice(0, inter)), (inter, H))
-                out[f"{x}w3.weight"] = Target(f"{m}experts.w13", (e, slice(inter, 2 * inter)), (inter, H))
-                out[f"{x}w2.weight"] = Target(f"{m}experts.w2", (e,), (H, inter))
-            out.update(_mlp_layout(f"{m}shared_experts.", H, c.shared_width))
+                x, local = f"{m}experts.{e}.", e - held.start
+                mine = held.start <= e < held.stop
+                w13, w2 = (f"{m}experts.w13", f"{m}experts.w2") if mine else (None, None)
+                out[f"{x}w1.weight"] = Target(w13, (local, slice(0, inter)), (inter, H))
+                out[f"{x}w3.weight"] = Target(w13, (local, slice(inter, 2 * inter)), (inter, H))
+                out[f"{x}w2.weight"] = Target(w2, (local,), (H, inter))
+            out.update(_mlp_layout(f"{m}shared_experts.", H, c.shared_width, rank, world))
         else:
-            out.update(_mlp_layout(f"{p}mlp.", H, c.dense_intermediate_size))
+            out.update(_mlp_layout(f"{p}mlp.", H, c.dense_intermediate_size, rank, world))
     return out
 
 
-def _mlp_layout(prefix: str, hidden: int, inter: int) -> dict[str, Target]:
-    fused = f"{prefix}gate_up_proj.weight"
+def _mlp_layout(prefix: str, hidden: int, inter: int, rank: int, world: int) -> dict[str, Target]:
+    """Column-parallel gate/up (output rows), row-parallel down (input columns)."""
+    fused, part = f"{prefix}gate_up_proj.weight", split_slice(inter, rank, world)
+    n = inter // world
+    src_rows, src_cols = ((), ()) if world == 1 else ((part,), (slice(None), part))
     return {
-        f"{prefix}gate_proj.weight": Target(fused, (slice(0, inter),), (inter, hidden)),
-        f"{prefix}up_proj.weight": Target(fused, (slice(inter, 2 * inter),), (inter, hidden)),
-        f"{prefix}down_proj.weight": Target(f"{prefix}down_proj.weight", (), (hidden, inter)),
+        f"{prefix}gate_proj.weight": Target(fused, (slice(0, n),), (inter, hidden), source=src_rows),
+        f"{prefix}up_proj.weight": Target(fused, (slice(n, 2 * n),), (inter, hidden), source=src_rows),
+        f"{prefix}down_proj.weight": Target(f"{prefix}down_proj.weight", (), (hidden, inter), source=src_cols),
     }
 
 
@@ -190,9 +224,13 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *,
                     truncate_layers: bool = False) -> LoadReport:
     """Load a checkpoint into ``model`` in place (strict; see the module docstring).
 
+    A sharded model (config ``full.shard(W, W)``) reads only its own slices of each tensor
+    (rank ``model.group.rank``; rank 0 for a one-rank model without a group, as ``rank_of_8``)
+    while streaming, with every header still checked against the full shapes.
+
     Args:
-        model: built with the checkpoint's config (its parameter dtype may differ: tensors
-            are cast on copy).
+        model: built with the checkpoint's config, or one rank of it (its parameter dtype may
+            differ: tensors are cast on copy).
         folder: checkpoint folder.
         truncate_layers: allow a model with fewer layers than the checkpoint (e.g. a real-width
             slice of the full model); layers beyond the model's are skipped.
@@ -202,10 +240,15 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *,
             (each named, with expected vs found); nothing is copied in that case.
     """
     c = model.config
+    world = c.tp_size
+    if c.ep_size != world:
+        raise ValueError(f"the model is sharded tp_size={c.tp_size}, ep_size={c.ep_size}; loading needs one degree "
+                         f"for both (TP and EP over the same ranks)")
+    rank = model.group.rank if model.group.distributed else 0
     ck = MiniMaxM3Config.from_hf(folder)
     _check_config(c, ck, truncate_layers)
     prefix = checkpoint_prefix(folder)
-    layout = checkpoint_layout(c)
+    layout = checkpoint_layout(ck.first_layers(c.num_hidden_layers) if truncate_layers else ck, rank, world)
     want_dtype = _ST_DTYPE[ck.dtype]
     paths = shard_files(folder)
 
@@ -264,7 +307,9 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *,
                 continue
             with open_shard(path) as f:
                 for full_key, t in items:
-                    src = f.get_tensor(full_key)
+                    if t.param is None:
+                        continue  # another rank's expert
+                    src = f.get_slice(full_key)[t.source] if t.source else f.get_tensor(full_key)
                     if src.is_floating_point() and not torch.isfinite(src).all():
                         bad = int((~torch.isfinite(src)).sum())
                         raise ValueError(f"checkpoint {os.fspath(folder)!r}: {full_key!r} in {path} holds {bad} "
@@ -286,6 +331,8 @@ def _check_config(model_cfg: MiniMaxM3Config, ck: MiniMaxM3Config, truncate: boo
     n = model_cfg.num_hidden_layers
     if truncate and n < ck.num_hidden_layers:
         ck = ck.first_layers(n)
+    if model_cfg.tp_size > 1:
+        ck = ck.shard(model_cfg.tp_size, model_cfg.ep_size)
     diff = [f.name for f in fields(ck) if f.name != "dtype" and getattr(ck, f.name) != getattr(model_cfg, f.name)]
     if diff:
         raise ValueError(
