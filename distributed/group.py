@@ -107,17 +107,25 @@ class ParallelGroup:
         return self.pg is not None
 
     # ---- collectives (capturable with NCCL) -------------------------------------------
-    def all_reduce_(self, x: torch.Tensor, num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum ``x [T, ...]`` over the ranks, in place; returns ``x``.
+    def padded_rows(self, num_rows: int, num_real_tokens: torch.Tensor | None,
+                    device: torch.device) -> torch.Tensor | None:
+        """bool ``[num_rows, 1]``, True for rows ``>= num_real_tokens`` (padding): computed once
+        per forward and passed to every ``all_reduce_``. None when there is nothing to mask (no
+        collectives, or every row real)."""
+        if self.pg is None or num_real_tokens is None:
+            return None
+        return (torch.arange(num_rows, device=device) >= num_real_tokens)[:, None]
 
-        Rows ``>= num_real_tokens`` (padding) are zeroed first, so whatever a padded row holds
+    def all_reduce_(self, x: torch.Tensor, padded: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum ``x [T, H]`` over the ranks, in place; returns ``x``.
+
+        ``padded`` (from ``padded_rows``) rows are zeroed first, so whatever a padded row holds
         (it may be uninitialised memory) never enters a collective.
         """
         if self.pg is None:
             return x
-        if num_real_tokens is not None:
-            rows = torch.arange(x.shape[0], device=x.device).view(-1, *([1] * (x.dim() - 1)))
-            x.masked_fill_(rows >= num_real_tokens, 0)
+        if padded is not None:
+            x.masked_fill_(padded, 0)
         dist.all_reduce(x, group=self.pg)
         return x
 

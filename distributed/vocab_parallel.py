@@ -16,16 +16,18 @@ from .group import ParallelGroup
 
 
 def embed(weight: torch.Tensor, ids: torch.Tensor, group: ParallelGroup,
-          num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """ids: int ``[T]`` global token ids; weight: this rank's rows ``[V/W, H]`` -> ``[T, H]``."""
+          padded: torch.Tensor | None = None) -> torch.Tensor:
+    """ids: int ``[T]`` global token ids; weight: this rank's rows ``[V/W, H]`` -> ``[T, H]``;
+    padded: bool ``[T, 1]`` padding rows (``ParallelGroup.padded_rows``), zeroed."""
     if not group.distributed:
         return F.embedding(ids, weight)
     rows = weight.shape[0]
     local = ids - group.rank * rows
-    held = (local >= 0) & (local < rows)
+    zero = ((local < 0) | (local >= rows))[:, None]
+    if padded is not None:
+        zero |= padded
     out = F.embedding(local.clamp(0, rows - 1), weight)
-    out.masked_fill_(~held[:, None], 0)
-    return group.all_reduce_(out, num_real_tokens)
+    return group.all_reduce_(out.masked_fill_(zero, 0))  # one mask: other ranks' ids and padding
 
 
 def logits(lm_head: torch.nn.Linear, hidden: torch.Tensor, group: ParallelGroup) -> torch.Tensor:

@@ -254,8 +254,9 @@ class MiniMaxM3Config:
             index-key head is replicated on every rank.
           - dense MLP ``12288 / tp = 1536``; shared expert ``3072 / tp = 384``.
           - vocab ``200064 / tp = 25008`` rows of embed_tokens and lm_head (vocab-parallel
-            shards; ids must fall in ``[0, 25008)`` since the masked lookup and gather are
-            collectives left out).
+            shards). Under a ``distributed.ParallelGroup`` the model runs the masked lookup and
+            the logits gather; without one (``rank_of_8``) those collectives are left out and ids
+            must fall in ``[0, 25008)``.
           - routed experts: the router still scores all 128 experts and picks the global
             top-4; this rank holds experts ``0..15`` (``128 / ep``) and computes only the
             (token, expert) pairs that land there; pairs routed to other ranks are skipped,

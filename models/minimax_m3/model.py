@@ -45,6 +45,8 @@ class LayerInputs(NamedTuple):
             ``attn_out``), one set shared by every layer and every bucket.
         group: the ranks the model is sharded over; the row-parallel outputs (o_proj, MLP and
             MoE) are summed over it (no-ops for an unsharded model).
+        padded: bool ``[T, 1]``, the padding rows zeroed before every collective (None: no
+            collectives or no padding).
     """
 
     positions: torch.Tensor
@@ -56,6 +58,7 @@ class LayerInputs(NamedTuple):
     ops: M3Ops
     buffers: SpliceBuffers
     group: ParallelGroup
+    padded: torch.Tensor | None
 
 
 class M3Attention(nn.Module):
@@ -119,15 +122,15 @@ class M3DecoderLayer(nn.Module):
         add + norm that starts this layer. Returns this layer's MLP/MoE output and the residual
         stream ``[T, H]`` (the op table may update both in place). Under tensor parallelism
         the attention and MLP/MoE outputs are this rank's partial sums until the all-reduce."""
-        ops, eps, n = li.ops, self.input_layernorm.eps, li.num_real_tokens
+        ops, eps, n, pad = li.ops, self.input_layernorm.eps, li.num_real_tokens, li.padded
         if residual is None:
             residual, h = x, ops.rmsnorm(x, self.input_layernorm.weight, eps)
         else:
             h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-        a = li.group.all_reduce_(self.self_attn(h, li), n)
+        a = li.group.all_reduce_(self.self_attn(h, li), pad)
         b, residual = ops.add_rmsnorm(a, residual, self.post_attention_layernorm.weight, eps)
         out = self.block_sparse_moe(b, n, ops) if self.is_moe else ops.mlp(self.mlp, b)
-        return li.group.all_reduce_(out, n), residual
+        return li.group.all_reduce_(out, pad), residual
 
 
 class M3Model(nn.Module):
@@ -235,10 +238,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
         cache, backend, buffers = self.cache, self.backend, self.splice_buffers
         if cache is None or backend is None or buffers is None:
             raise RuntimeError("attach(cache, backend) before running the forward")
-        n = inputs.get("num_real_tokens")
+        ids, n = inputs["input_ids"], inputs.get("num_real_tokens")
+        pad = self.group.padded_rows(ids.shape[0], n, ids.device)
         li = LayerInputs(inputs["positions"], inputs["slot_mapping"], n, self.rope_inv_freq, cache, backend,
-                         self.ops, buffers, self.group)
-        x = vocab_parallel.embed(self.model.embed_tokens.weight, inputs["input_ids"], self.group, n)
+                         self.ops, buffers, self.group, pad)
+        x = vocab_parallel.embed(self.model.embed_tokens.weight, ids, self.group, pad)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, li)

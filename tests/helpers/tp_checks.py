@@ -20,7 +20,7 @@ def collectives(group: ParallelGroup) -> dict:
     r, w = group.rank, group.world_size
     x = torch.full((5, 3), float(r + 1))
     x[3:] = float("nan")  # padding may hold anything
-    group.all_reduce_(x, torch.tensor([3]))
+    group.all_reduce_(x, group.padded_rows(5, torch.tensor([3]), x.device))
     want = float(sum(range(1, w + 1)))
     parts = group.all_gather_last(torch.full((2, 4), float(r)))
     full = torch.randn(8 * w, 6, generator=torch.Generator().manual_seed(1))
