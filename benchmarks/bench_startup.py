@@ -36,10 +36,52 @@ from models.minimax_m3.config import MiniMaxM3Config
 from models.minimax_m3.runner import M3Runner, build_from_preset
 
 
+class TritonCompiles:
+    """Counts and times Triton's ``compile()`` calls: loads from the disk cache and real
+    builds (told apart by Triton's compilation listener). Install before the first launch:
+    each kernel binds ``compile`` on its first run."""
+
+    def __init__(self) -> None:
+        import triton
+        import triton.compiler
+
+        self.calls = {"build": [0, 0.0], "cache load": [0, 0.0]}
+        self._hit = False
+        inner = triton.compiler.compile
+
+        def listener(*, cache_hit: bool, **_: object) -> None:
+            self._hit = cache_hit
+
+        def compile(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            row = self.calls["cache load" if self._hit else "build"]
+            row[0] += 1
+            row[1] += time.perf_counter() - t0
+            self._hit = False
+            return out
+
+        triton.knobs.compilation.listener = listener
+        triton.compiler.compile = compile
+
+    def snapshot(self) -> dict:
+        return {k: dict(count=n, seconds=round(t, 2)) for k, (n, t) in self.calls.items()}
+
+    def since(self, before: dict) -> dict:
+        now = self.snapshot()
+        return {k: dict(count=now[k]["count"] - before[k]["count"],
+                        seconds=round(now[k]["seconds"] - before[k]["seconds"], 2)) for k in now}
+
+
+COMPILES: TritonCompiles | None = None
+
+
 def phases(runner: M3Runner) -> dict:
-    """The manager's per-phase start-up times (seconds)."""
+    """The manager's per-phase start-up times (seconds), with the prebuild's parts."""
     s = runner.manager.stats
-    return {k: round(getattr(s, k), 3) for k in ("jit_s", "warmup_s", "capture_s", "validate_s", "frozen_s")}
+    out = {k: round(getattr(s, k), 3) for k in ("jit_s", "warmup_s", "capture_s", "validate_s", "frozen_s")}
+    out.update({k: round(v, 3) for k, v in runner.prebuild_s.items()})
+    return out
 
 
 def bucket_rows(runner: M3Runner) -> list[dict]:
@@ -48,17 +90,43 @@ def bucket_rows(runner: M3Runner) -> list[dict]:
             for (b, full), s in sorted(runner.manager.stats.buckets.items(), key=lambda kv: (-kv[0][0], kv[0][1]))]
 
 
-def timed_capture(runner: M3Runner) -> dict:
+def timed_capture(runner: M3Runner, profile: bool = False) -> dict:
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
+    compiles = COMPILES.snapshot() if COMPILES else {}
+    in_prebuild: dict = {}
+    hook = runner.manager.before_capture
+
+    def prebuild(manager) -> None:  # Triton compiles of the prebuild alone (the rest: warm-up)
+        before = COMPILES.snapshot()
+        hook(manager)
+        in_prebuild.update(COMPILES.since(before))
+
+    runner.manager.before_capture = prebuild if COMPILES and hook else hook
+    prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
-    runner.capture()
+    try:
+        if prof:
+            prof.enable()
+        runner.capture()
+    finally:
+        if prof:
+            prof.disable()
+        runner.manager.before_capture = hook
     total = time.perf_counter() - t0
+    top = {}
+    if prof:
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(25)
+            top[order] = text.getvalue().splitlines()[-32:]
+            print(f"capture() under cProfile, by {order}:\n" + "\n".join(top[order]), flush=True)
     torch.cuda.synchronize()
     graphs = sum(s.status == "captured" for s in runner.manager.stats.buckets.values())
     return dict(total_s=round(total, 2), phases=phases(runner), graphs=graphs,
+                triton_compiles=COMPILES.since(compiles) if COMPILES else {}, triton_compiles_prebuild=in_prebuild,
                 graph_memory_mib=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1),
-                buckets=bucket_rows(runner))
+                buckets=bucket_rows(runner), **({"cprofile": top} if top else {}))
 
 
 def step_times(runner: M3Runner, chunks: list[TokenChunk], iters: int) -> dict:
@@ -126,10 +194,13 @@ def main() -> None:
     p.add_argument("--frozen", action="store_true",
                    help="capture with detect_frozen: validate() also runs frozen-value detection on every graph")
     p.add_argument("--profile-bucket", type=int, default=64, help="bucket whose capture is profiled (0: skip)")
+    p.add_argument("--profile-start", action="store_true", help="cProfile the first capture() (top functions)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
     t_start = time.perf_counter()
+    global COMPILES
+    COMPILES = TritonCompiles()
     config = MiniMaxM3Config.preset(args.preset)
     if args.layers:
         config = config.first_layers(args.layers)
@@ -146,10 +217,11 @@ def main() -> None:
                      max_tokens=args.max_tokens, max_seqs=args.max_seqs, build_s=round(build_s, 2))
     print(f"built {config.num_hidden_layers} layers in {build_s:.1f} s; "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
-    res["first_capture"] = timed_capture(runner)
+    res["first_capture"] = timed_capture(runner, profile=args.profile_start)
     res["start_to_graphs_s"] = round(time.perf_counter() - t_start, 2)
     Console(width=160).print(stats_table(runner.manager))
-    print("first capture", json.dumps({k: v for k, v in res["first_capture"].items() if k != "buckets"}), flush=True)
+    shown = {k: v for k, v in res["first_capture"].items() if k not in ("buckets", "cprofile")}
+    print("first capture", json.dumps(shown), flush=True)
     runner.manager.release()
     torch.cuda.empty_cache()
     res["second_capture"] = timed_capture(runner)

@@ -17,7 +17,6 @@ from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
-from torch.utils._pytree import tree_flatten
 
 # Ops whose output shape or value must be known on the host: each is a device->host sync.
 _SYNC_OPS = {
@@ -41,6 +40,21 @@ _INTERNAL_PATHS = (
 )
 
 
+_NAMES: dict[Any, str] = {}  # aten overload -> its packet name (str() is slow, the guard sees every op)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments: direct, or in a list/tuple (``Tensor[]``,
+    ``Tensor?[]``); aten schemas nest no deeper, so this replaces a full pytree walk."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
 class CaptureViolation(RuntimeError):
     """Producer code inside a captured segment did something a graph cannot replay."""
 
@@ -58,6 +72,14 @@ class CaptureGuard(TorchDispatchMode):
     Args:
         device: the device graphs run on; CPU tensors are only a violation when it is CUDA.
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Unless this says False, torch wraps a dispatch mode's __torch_dispatch__ in
+        # torch._dynamo.disable: the first guarded op of a process then imports torch._dynamo
+        # (2-7 s of start-up), and every op the guard sees pays the wrapper. The guard runs no
+        # compiled code (torch.compile'd producers run op by op under any dispatch mode).
+        return False
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -88,9 +110,10 @@ class CaptureGuard(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _check(self, func: Any, args: tuple, kwargs: dict) -> None:
-        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        name = _NAMES.get(func)
+        if name is None:
+            name = _NAMES[func] = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        tensors = _tensors(args, kwargs)
         reason = None
         if name in _SYNC_OPS:
             reason = "synchronises with the host (its result is needed on the CPU)"
