@@ -1,5 +1,5 @@
 """Which part of a full tensor dimension one rank holds: the two rules every sharded layer
-uses (a model maps its parameters to them; see ``models/minimax_m3/sharding.py``).
+uses (a model maps its parameters to them: MiniMax-M3 in ``weights.checkpoint_layout``).
 
 - ``split_slice``: an even split (column-parallel outputs, row-parallel inputs, vocab rows,
   experts).
