@@ -46,6 +46,10 @@ DummyStep = Callable[[int, bool], Step]
 Key = tuple[int, bool]
 
 
+def _splice_names(driver: EagerDriver) -> str:
+    return ", ".join(sorted(driver.unsafe))
+
+
 def _rows(out: Any, n: int) -> Any:
     return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, out)
 
@@ -186,14 +190,11 @@ class CaptureManager:
             self.peers.require_same("graph buckets (bucket, whole decode)", self.keys())
         if not self.uses_graphs:
             if self.config.captures and self.dummy_step is not None:
-                unsafe = {}
+                drivers = {}
                 for key in (k for k in self.keys() if k[1] and k not in self._unavailable):
                     step = self.dummy_step(*key)
-                    driver = self._run_padded(step, self._padding_of(step, key), guard=True)[1]
-                    if driver.unsafe:
-                        unsafe[key] = ", ".join(sorted(driver.unsafe))
-                for key, names in self.peers.union(unsafe).items():
-                    self._skip(key, names)
+                    drivers[key] = self._run_padded(step, self._padding_of(step, key), guard=True)[1]
+                self._skip_unsafe(drivers)
             return
         if self.dummy_step is None:
             raise ValueError("CaptureManager.capture() needs dummy_step(bucket, whole_graph) to build capture inputs")
@@ -285,13 +286,7 @@ class CaptureManager:
             return driver
 
         with torch.cuda.stream(stream):
-            unsafe = {}
-            for key in (k for k in self.keys() if k[1]):
-                driver = run(key)
-                if driver.unsafe:
-                    unsafe[key] = ", ".join(sorted(driver.unsafe))
-            for key, names in self.peers.union(unsafe).items():
-                self._skip(key, names)
+            self._skip_unsafe({key: run(key) for key in self.keys() if key[1]})
             whole = [k for k in self.keys() if k[1] and k not in self._unavailable]
             segmented = [k for k in self.keys() if not k[1]]
             for key in segmented:
@@ -299,10 +294,18 @@ class CaptureManager:
         torch.cuda.synchronize(self.device)
         return sorted(whole + segmented, key=lambda k: (-k[0], k[1]))
 
+    def _skip_unsafe(self, drivers: dict[Key, EagerDriver]) -> None:
+        """Skip the whole-graph keys whose splices were not graph-safe in their run (``drivers``)
+        on this rank or any other (``peers.union``)."""
+        unsafe = {key: _splice_names(d) for key, d in drivers.items() if d.unsafe}
+        for key, names in self.peers.union(unsafe).items():
+            self._skip(key, names)
+
     def _mark_unsafe(self, key: Key, driver: EagerDriver) -> None:
-        """Skip a whole-graph key whose splices were not graph-safe in ``driver``'s run."""
+        """Skip a whole-graph key whose splices were not graph-safe in ``driver``'s run (a
+        debug-eager step; this rank alone, since no step may wait on the others)."""
         if driver.unsafe:
-            self._skip(key, ", ".join(sorted(driver.unsafe)))
+            self._skip(key, _splice_names(driver))
 
     def _skip(self, key: Key, splices: str) -> None:
         """Skip a whole-graph key whose splices are not graph-safe for it. Its steps then run
