@@ -38,39 +38,64 @@ from models.minimax_m3.runner import M3Runner, build_from_preset
 
 class TritonCompiles:
     """Counts and times Triton's ``compile()`` calls: loads from the disk cache and real
-    builds (told apart by Triton's compilation listener). Install before the first launch:
-    each kernel binds ``compile`` on its first run."""
+    builds (told apart by Triton's compilation listener), in total and per kernel. Install
+    before the first launch: each kernel binds ``compile`` on its first run. Compiles may run
+    in threads (``graphcap.compile_ahead``): their seconds add up to more than the wall time."""
 
     def __init__(self) -> None:
+        import threading
+
         import triton
         import triton.compiler
 
         self.calls = {"build": [0, 0.0], "cache load": [0, 0.0]}
-        self._hit = False
+        self.builds: list[dict] = []  # one row per real build: kernel, constexprs, seconds
+        self._local = threading.local()
+        self._lock = threading.Lock()
         inner = triton.compiler.compile
 
         def listener(*, cache_hit: bool, **_: object) -> None:
-            self._hit = cache_hit
+            self._local.hit = cache_hit
 
-        def compile(*args, **kwargs):
+        def compile(src, *args, **kwargs):
+            self._local.hit = False
             t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
-            row = self.calls["cache load" if self._hit else "build"]
-            row[0] += 1
-            row[1] += time.perf_counter() - t0
-            self._hit = False
+            out = inner(src, *args, **kwargs)
+            dt = time.perf_counter() - t0
+            hit = getattr(self._local, "hit", False)
+            with self._lock:
+                row = self.calls["cache load" if hit else "build"]
+                row[0] += 1
+                row[1] += dt
+                if not hit:
+                    fn = getattr(src, "fn", None)
+                    consts = getattr(src, "constexprs", {}) or {}
+                    self.builds.append(dict(kernel=getattr(fn, "__name__", str(src)), seconds=round(dt, 3),
+                                            constexprs=" ".join(f"{k}={v}" for k, v in sorted(consts.items(), key=str)
+                                                                if not callable(v))[:200]))
             return out
 
         triton.knobs.compilation.listener = listener
         triton.compiler.compile = compile
 
     def snapshot(self) -> dict:
-        return {k: dict(count=n, seconds=round(t, 2)) for k, (n, t) in self.calls.items()}
+        with self._lock:
+            out = {k: dict(count=n, seconds=round(t, 2)) for k, (n, t) in self.calls.items()}
+            out["_builds"] = len(self.builds)
+        return out
 
     def since(self, before: dict) -> dict:
         now = self.snapshot()
-        return {k: dict(count=now[k]["count"] - before[k]["count"],
-                        seconds=round(now[k]["seconds"] - before[k]["seconds"], 2)) for k in now}
+        out = {k: dict(count=now[k]["count"] - before[k]["count"],
+                       seconds=round(now[k]["seconds"] - before[k]["seconds"], 2)) for k in self.calls}
+        per: dict[str, list] = {}
+        for b in self.builds[before["_builds"]:now["_builds"]]:
+            row = per.setdefault(b["kernel"], [0, 0.0])
+            row[0] += 1
+            row[1] += b["seconds"]
+        out["by_kernel"] = {k: dict(count=n, seconds=round(t, 2)) for k, (n, t) in
+                            sorted(per.items(), key=lambda kv: -kv[1][1])}
+        return out
 
 
 COMPILES: TritonCompiles | None = None
@@ -125,6 +150,7 @@ def timed_capture(runner: M3Runner, profile: bool = False) -> dict:
     graphs = sum(s.status == "captured" for s in runner.manager.stats.buckets.values())
     return dict(total_s=round(total, 2), phases=phases(runner), graphs=graphs,
                 triton_compiles=COMPILES.since(compiles) if COMPILES else {}, triton_compiles_prebuild=in_prebuild,
+                triton_builds=COMPILES.builds[compiles['_builds']:] if COMPILES else [],
                 graph_memory_mib=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20, 1),
                 buckets=bucket_rows(runner), **({"cprofile": top} if top else {}))
 
@@ -195,6 +221,8 @@ def main() -> None:
                    help="capture with detect_frozen: validate() also runs frozen-value detection on every graph")
     p.add_argument("--profile-bucket", type=int, default=64, help="bucket whose capture is profiled (0: skip)")
     p.add_argument("--profile-start", action="store_true", help="cProfile the first capture() (top functions)")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="Triton compile threads before capture (0: each kernel compiles on its first launch)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -211,21 +239,25 @@ def main() -> None:
     runner = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=args.max_tokens,
                                max_seqs=args.max_seqs, max_seq_len=args.context + args.max_tokens + 8,
                                num_pages=pages, capture=capture)
+    if args.compile_workers is not None:
+        runner.compile_workers = args.compile_workers
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t_start
     res: dict = dict(gpu=torch.cuda.get_device_name(), preset=args.preset, layers=config.num_hidden_layers,
-                     max_tokens=args.max_tokens, max_seqs=args.max_seqs, build_s=round(build_s, 2))
+                     max_tokens=args.max_tokens, max_seqs=args.max_seqs, compile_workers=runner.compile_workers,
+                     build_s=round(build_s, 2))
     print(f"built {config.num_hidden_layers} layers in {build_s:.1f} s; "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
     res["first_capture"] = timed_capture(runner, profile=args.profile_start)
     res["start_to_graphs_s"] = round(time.perf_counter() - t_start, 2)
     Console(width=160).print(stats_table(runner.manager))
-    shown = {k: v for k, v in res["first_capture"].items() if k not in ("buckets", "cprofile")}
+    shown = {k: v for k, v in res["first_capture"].items() if k not in ("buckets", "cprofile", "triton_builds")}
     print("first capture", json.dumps(shown), flush=True)
     runner.manager.release()
     torch.cuda.empty_cache()
     res["second_capture"] = timed_capture(runner)
-    print("second capture", json.dumps({k: v for k, v in res["second_capture"].items() if k != "buckets"}),
+    print("second capture", json.dumps({k: v for k, v in res["second_capture"].items()
+                                        if k not in ("buckets", "triton_builds")}),
           flush=True)
     t0 = time.perf_counter()
     failures = runner.validate()

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from . import jit_cache
 from .buckets import Padding, bucket_for, bucket_list, whole_graph_buckets
+from .compile_ahead import compile_ahead, launching
 from .config import CaptureConfig
 from .frozen import compare_segments
 from .guard import CaptureGuard
@@ -293,6 +294,28 @@ class CaptureManager:
                 run(key)
         torch.cuda.synchronize(self.device)
         return sorted(whole + segmented, key=lambda k: (-k[0], k[1]))
+
+    def precompile(self, workers: int | None = None, keys: list[Key] | None = None) -> None:
+        """Build every Triton kernel the warm-up would build, many at once: each graph key's
+        dummy step runs once eagerly, its host plan (``prepare``) as usual and its forward under
+        ``graphcap.compile_ahead`` (Triton launches compile in ``workers`` threads instead of
+        running; nothing else changes). Call it from ``before_capture``, after the kernel
+        choices ``prepare`` makes.
+
+        Only for a forward whose host code reads no device result and whose torch ops index
+        nothing with a Triton kernel's output: inside, those outputs hold whatever their
+        buffers held. ``keys``: the graph keys to run (default: all)."""
+        if self.dummy_step is None:
+            raise ValueError("CaptureManager.precompile() needs dummy_step(bucket, whole_graph)")
+        with compile_ahead(workers):  # one pool for every key: compiles overlap across buckets
+            for key in self.keys() if keys is None else keys:
+                step = self.dummy_step(*key)
+                padding = self._padding_of(step, key)
+                with launching(), step_context(step, padding):
+                    self.prepare(step, padding)
+                views = self.inputs.copy_in(step.inputs, padding)
+                run_eager(self.forward, views, step, padding, None)
+        torch.cuda.synchronize(self.device)
 
     def _skip_unsafe(self, drivers: dict[Key, EagerDriver]) -> None:
         """Skip the whole-graph keys whose splices were not graph-safe in their run (``drivers``)

@@ -50,6 +50,12 @@ for part in "${parts[@]}"; do
     tiles)      $T python3 benchmarks/bench_prefill_tiles.py --json "$OUT/bench_prefill_tiles.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     profile)    $T python3 examples/profile_forward.py --preset rank-of-8 --layers 16 --decode 1,2,4,8,16,32 --context 3000 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     startup)    # two starts on one cache directory: cold (empty), then warm (what the first wrote)
+                # STARTUP_BASELINE=1: first a cold start that compiles each Triton kernel on its first
+                # launch (--compile-workers 0), on a cache directory of its own, for the side-by-side.
+                if [ "${STARTUP_BASELINE:-0}" = 1 ]; then
+                  rm -rf /tmp/graphcap-cache-serial
+                  GRAPHCAP_CACHE_DIR=/tmp/graphcap-cache-serial $T python3 benchmarks/bench_startup.py --compile-workers 0 --profile-bucket 0 --iters 5 --json "$OUT/bench_startup_cold_serial.json" 2>&1 | tee -a "$LOG"
+                fi
                 export GRAPHCAP_CACHE_DIR=${GRAPHCAP_CACHE_DIR:-/tmp/graphcap-cache}; rm -rf "$GRAPHCAP_CACHE_DIR"
                 $T python3 benchmarks/bench_startup.py --frozen --json "$OUT/bench_startup_cold.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
                 if [ "$rc" -eq 0 ]; then

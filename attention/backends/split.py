@@ -7,7 +7,8 @@ answer, and the capture hooks and graph tensors are the union of both parts'.
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 
@@ -27,6 +28,20 @@ class LayerSplit(AttentionBackend):
             raise ValueError("LayerSplit parts must share one cache and one AttentionDims")
         super().__init__(dense.cache, dense.dims)
         self.dense_part, self.sparse_part = dense, sparse
+
+    @contextmanager
+    def dense_served_by(self, stand_in: AttentionBackend) -> Iterator[None]:
+        """Within the block, dense layers run ``stand_in``'s attention (same cache and dims),
+        e.g. a JIT-free one while the dense part's modules are still being built. Not for
+        capture: the graph state and graph tensors stay the dense part's."""
+        if stand_in.cache is not self.cache or stand_in.dims != self.dims:
+            raise ValueError("the stand-in must read the split's cache with the split's dims")
+        part = self.dense_part
+        self.dense_part = stand_in
+        try:
+            yield
+        finally:
+            self.dense_part = part
 
     @property
     def topk_buf(self) -> torch.Tensor:

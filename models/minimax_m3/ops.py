@@ -171,12 +171,11 @@ class FusedMoE:
 
         if num_tokens in self._configs:
             return
-        moe = next((m for m in model.modules() if isinstance(m, BlockSparseMoE)), None)
-        if moe is None:
+        probe = self._probe(model, num_tokens)
+        if probe is None:
             return
-        dev, dtype = moe.experts.w13.device, moe.experts.w13.dtype
-        gen = torch.Generator(device=dev).manual_seed(num_tokens)
-        x = torch.randn(num_tokens, moe.experts.w13.shape[2], generator=gen, device=dev).to(dtype)
+        moe, x = probe
+        dev, dtype = x.device, x.dtype
         ids, w = self.route(moe, x, None)
         sh = moe.shared_experts
         configs = moe_config_candidates(num_tokens)
@@ -196,6 +195,31 @@ class FusedMoE:
         name = self.tuner.choose("moe", num_tokens, candidates, reference,
                                  tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature)
         self._configs[num_tokens] = by_name[name]
+
+    def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
+        """Launch the router and every candidate configuration for ``num_tokens`` rows once on
+        a probe, for ``graphcap.compile_ahead`` (inside it the launches compile only, many at
+        once, so the ``prepare`` that follows finds every kernel built)."""
+        from .kernels.moe import moe_config_candidates
+
+        probe = self._probe(model, num_tokens) if num_tokens not in self._configs else None
+        if probe is None:
+            return
+        moe, x = probe
+        ids, w = self.route(moe, x, None)
+        for config in moe_config_candidates(num_tokens):
+            self.experts(moe, x, ids, w, config)
+
+    @staticmethod
+    def _probe(model: torch.nn.Module, num_tokens: int) -> tuple[BlockSparseMoE, torch.Tensor] | None:
+        """The first MoE layer and random hidden states ``[num_tokens, H]`` (seeded by the row
+        count), or ``None`` for a model without MoE layers."""
+        moe = next((m for m in model.modules() if isinstance(m, BlockSparseMoE)), None)
+        if moe is None:
+            return None
+        dev, dtype = moe.experts.w13.device, moe.experts.w13.dtype
+        gen = torch.Generator(device=dev).manual_seed(num_tokens)
+        return moe, torch.randn(num_tokens, moe.experts.w13.shape[2], generator=gen, device=dev).to(dtype)
 
 
 # ---- the table ---------------------------------------------------------------------------
@@ -217,6 +241,12 @@ class M3Ops:
         time the candidate kernels (else the default is validated alone)."""
         if isinstance(self.moe, FusedMoE):
             self.moe.prepare(model, num_tokens, tune=tune)
+
+    def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
+        """Launch the tunable kernels' candidates for ``num_tokens`` rows on probes, for
+        ``graphcap.compile_ahead`` (see ``FusedMoE.compile_kernels``)."""
+        if isinstance(self.moe, FusedMoE):
+            self.moe.compile_kernels(model, num_tokens)
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:

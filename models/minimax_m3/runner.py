@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,12 +34,15 @@ from typing import Hashable, Sequence
 
 import torch
 
+from attention.backends.split import LayerSplit
+from attention.backends.torch import TorchAttention
 from attention.base import AttentionBackend
 from attention.dims import AttentionDims
 from attention.metadata import MetadataBuilder, TokenChunk, TokenFeed
 from attention.registry import make_backend
 from distributed import ParallelGroup
 from graphcap import CaptureConfig, CaptureManager, InputSpec, Padding, StaticInputs, Step
+from graphcap.compile_ahead import compile_ahead, default_workers
 from graphcap.config import is_int
 from kvcache.paged import PagedKVCache
 
@@ -47,6 +51,11 @@ from .model import MiniMaxM3ForCausalLM
 from .weights import load_checkpoint
 
 DUMMY = "__graphcap_dummy__"
+
+
+def _key_name(key: tuple[int, bool]) -> str:
+    """``(64, True)`` -> ``"64w"`` (whole decode graph), ``(64, False)`` -> ``"64s"``."""
+    return f"{key[0]}{'w' if key[1] else 's'}"
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,8 @@ class M3Runner:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self._dummies: list[Hashable] = []
         self.prebuild_s: dict[str, float] = {}  # the last before_capture's parts (see _before_capture)
+        self.compile_workers = default_workers()  # Triton compile threads before capture (0: compile on first launch)
+        self._built_forwards: set[tuple[int, bool]] = set()  # graph keys whose forward kernels this process built
         self.manager = self._make_manager(capture or CaptureConfig(max_tokens=max_tokens))
 
     def _make_manager(self, capture: CaptureConfig) -> CaptureManager:
@@ -124,27 +135,81 @@ class M3Runner:
         self.backend.plan(step, padding)
 
     def _before_capture(self, manager: CaptureManager) -> None:
-        """JIT builds and kernel choices before any warm-up or capture: the backend's graph
-        state and flashinfer modules, and the op table's tuned kernels for every bucket size.
+        """Every build before warm-up and capture: the backend's graph state and flashinfer
+        modules, the op table's kernel choices for every bucket size, and every Triton kernel
+        the warm-up would otherwise compile one launch at a time.
 
-        The two run side by side: flashinfer's JIT builds are compiler subprocesses (the GIL is
-        free meanwhile) while this thread compiles and times the Triton MoE candidates. The
-        backend's warm-up launches only a few tiny kernels once its modules are built, so the
-        candidates' timings stay clean. ``prebuild_s`` keeps each part's seconds."""
-        self.backend.init_capture(manager.whole_buckets, self.max_seqs)
+        flashinfer's JIT builds run in a thread beside the rest (they are compiler
+        subprocesses; the GIL is free meanwhile). This thread, with ``compile_workers``:
+        1. compiles every MoE candidate of every bucket size at once (``compile_ahead``);
+        2. validates and times the candidates (``ops.prepare``), all built by then;
+        3. compiles every kernel of every graph key's forward (``manager.precompile``), its
+           dense layers served by torch while flashinfer may still be building (the forward's
+           Triton kernels are the same either way).
+        With ``compile_workers == 0`` only step 2 runs and kernels compile on first launch.
+        ``prebuild_s`` keeps each part's seconds."""
+        backend = self.backend
+        backend.init_capture(manager.whole_buckets, self.max_seqs)
+        split = backend if isinstance(backend, LayerSplit) else None
+        builds = [split.dense_part.warmup, split.sparse_part.warmup] if split else [backend.warmup]
+        ahead = self.compile_workers if self.device.type == "cuda" else 0
 
         def attention() -> float:
             t0 = time.perf_counter()
-            self.backend.warmup()
+            for build in builds:
+                build()
             return time.perf_counter() - t0
 
+        rows = sorted({b for b, _ in manager.keys()})
         with ThreadPoolExecutor(1, thread_name_prefix="graphcap-jit") as pool:
             built = pool.submit(attention)
             t0 = time.perf_counter()
-            for rows in sorted({b for b, _ in manager.keys()}):
-                self.model.ops.prepare(self.model, rows)
-            tuned = time.perf_counter() - t0
-            self.prebuild_s = {"attention_jit_s": built.result(), "kernel_choices_s": tuned}
+            if ahead:
+                with compile_ahead(ahead):
+                    for r in rows:
+                        self.model.ops.compile_kernels(self.model, r)
+            t1 = time.perf_counter()
+            for r in rows:
+                self.model.ops.prepare(self.model, r)
+            t2 = time.perf_counter()
+            todo = self._forwards_to_build(manager.keys()) if ahead else []
+            if todo and split is not None:
+                with split.dense_served_by(TorchAttention(self.cache, backend.dims)):
+                    manager.precompile(ahead, todo)
+            elif todo:
+                built.result()  # the forward's dense layers need the backend's modules
+                manager.precompile(ahead, todo)
+            self._forwards_built(todo)
+            t3 = time.perf_counter()
+            self.prebuild_s = {"attention_jit_s": built.result(), "compile_ahead_s": t1 - t0,
+                               "kernel_choices_s": t2 - t1, "forward_compile_s": t3 - t2}
+
+    def _forward_signature(self) -> str:
+        """What the forward's Triton specializations depend on: the config, dtype, step
+        capacity, cache layout and backend (a digest, for the choice store)."""
+        what = (self.model.config, self.cache.config, self.max_tokens, self.max_seqs, self.backend.describe(),
+                str(next(self.model.parameters()).dtype))
+        return hashlib.sha1(repr(what).encode()).hexdigest()[:16]
+
+    def _forwards_to_build(self, keys: list[tuple[int, bool]]) -> list[tuple[int, bool]]:
+        """The graph keys whose forward kernels ``manager.precompile`` must build: not those
+        this process built already (a recapture), nor those the choice store records as built
+        into this cache directory for the same forward (a warm start, whose kernels load from
+        Triton's disk cache on first launch). A stale record costs speed, never correctness:
+        warm-up then compiles what is missing on first launch."""
+        store = self.model.ops.tuner.store if self.model.ops.tuner is not None else None
+        recorded = set((store.get(f"forward kernels|{self._forward_signature()}") or "").split()) if store else set()
+        return [k for k in keys if k not in self._built_forwards and _key_name(k) not in recorded]
+
+    def _forwards_built(self, keys: list[tuple[int, bool]]) -> None:
+        if not keys:
+            return
+        self._built_forwards.update(keys)
+        store = self.model.ops.tuner.store if self.model.ops.tuner is not None else None
+        if store is not None:
+            entry = f"forward kernels|{self._forward_signature()}"
+            names = set((store.get(entry) or "").split()) | {_key_name(k) for k in keys}
+            store.put(entry, " ".join(sorted(names)))
 
     # ---- capacity (what a scheduler reads) -----------------------------------------------
     @property

@@ -83,3 +83,41 @@ def test_a_difference_must_also_be_stable_in_the_other_datas_twin():
     assert compare_segments(a, b, ["s0"], is_pointer, same_data=a) != []
     assert compare_segments(a, b, ["s0"], is_pointer, same_data=a, second_again=b_again) == []
     assert compare_segments(a, b, ["s0"], is_pointer, same_data=a, second_again=b) != []
+
+
+# Real Itanium mangled names (g++ 13 of a copy of torch's signatures): torch's contiguous
+# elementwise kernel takes four empty policy structs (parameters 3-6) by value; the other
+# kernel takes a bool flag and a char.
+ELEMENTWISE = ("_ZN2at6native27unrolled_elementwise_kernelIZNS0_11direct_copyEvEUlfE_St5arrayIPcLm2EE23TrivialOffset"
+               "CalculatorILi1EjES7_NS0_6memory15LoadWithoutCastENS8_16StoreWithoutCastEEEviT_T0_T1_T2_T3_T4_")
+FLAG = "_ZN2at6native11flag_kernelIcEEvibT_"
+
+
+def test_kernel_parameter_types_come_from_the_mangled_name():
+    from graphcap.kernel_types import demangle, split_parameters, stateless_params
+
+    sig = demangle(ELEMENTWISE)
+    assert sig is not None and sig.startswith("void at::native::unrolled_elementwise_kernel<")
+    params = split_parameters(sig)
+    assert params[0] == "int" and params[2] == "std::array<char*, 2ul>"
+    assert params[3] == "TrivialOffsetCalculator<1, unsigned int>"
+    assert params[5] == "at::native::memory::LoadWithoutCast"
+    assert stateless_params(ELEMENTWISE, 7) == {3, 4, 5, 6}
+    assert stateless_params(ELEMENTWISE, 6) == frozenset()  # the driver disagrees: skip nothing
+    assert split_parameters(demangle(FLAG)) == ["int", "bool", "char"] and stateless_params(FLAG, 3) == frozenset()
+    assert demangle("_moe_gate_up_kernel") is None and stateless_params("_moe_gate_up_kernel", 3) == frozenset()
+
+
+def test_an_empty_struct_parameter_is_not_a_frozen_value_but_a_bool_flag_is():
+    """The H200 false positive: TrivialOffsetCalculator's one uninitialised byte held 41 in
+    one capture and 42 in the other, stable within each data set."""
+    def nodes(name, byte, n=7):
+        params = [struct.pack("<i", 64), b"\x00", ptr(0) + ptr(64), bytes([byte]), b"\x00", b"\x00", b"\x00"][:n]
+        return [[kernel(name, params=params)]]
+
+    a, b = nodes(ELEMENTWISE, 41), nodes(ELEMENTWISE, 42)
+    assert compare_segments(a, b, ["segment 0"], is_pointer, same_data=a, second_again=b) == []
+    flag_a = [[kernel(FLAG, params=[struct.pack("<i", 64), b"\x01", b"c"])]]
+    flag_b = [[kernel(FLAG, params=[struct.pack("<i", 64), b"\x00", b"c"])]]
+    problems = compare_segments(flag_a, flag_b, ["segment 0"], is_pointer, same_data=flag_a, second_again=flag_b)
+    assert len(problems) == 1 and "parameter 1" in problems[0]

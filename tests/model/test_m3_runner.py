@@ -389,3 +389,60 @@ def test_every_layer_hands_the_splice_the_same_buffers():
     assert len({s[1] for s in seen if s[1] is not None}) <= 1
     bufs = r.model.splice_buffers
     assert seen[0][0] == bufs.view("q", 1).data_ptr() and bufs.max_rows == 16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, monkeypatch):
+    """With compile threads, the prebuild builds every Triton kernel warm-up and capture
+    launch (MoE candidates, then each graph key's forward, its dense layers served by torch
+    while flashinfer may still build): no launch after it compiles. A recapture, and a new
+    runner of the same forward on the same cache directory, skip the forward pass."""
+    import gc
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    if backend == "auto":
+        pytest.importorskip("flashinfer")
+    from graphcap import jit_cache
+
+    jit_cache.configure()  # Triton's and flashinfer's caches stay where they are; the choice store moves:
+    monkeypatch.setenv("GRAPHCAP_CACHE_DIR", str(tmp_path))
+    for obj in gc.get_objects():  # what a fresh process holds: no kernel in memory
+        if isinstance(obj, JITFunction):
+            obj.device_caches.clear()
+    graphed, eager = make_pair("cuda", torch.bfloat16, backend, buckets=(3, 11, 29), max_seqs=5, max_tokens=29)
+    assert graphed.compile_workers > 0 and graphed._forwards_to_build(graphed.manager.keys())
+    misses = {"prebuild": 0, "after": 0}
+    phase = {"now": "prebuild"}
+    hook = graphed.manager.before_capture
+
+    def prebuild(manager):
+        phase["now"] = "prebuild"
+        hook(manager)
+        phase["now"] = "after"
+
+    def count(*args, **kwargs) -> bool:
+        misses[phase["now"]] += 1
+        return False  # compile as usual
+
+    graphed.manager.before_capture = prebuild
+    old = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = count
+    try:
+        graphed.capture()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = old
+    assert misses["prebuild"] > 0 and misses["after"] == 0, misses
+    assert graphed.prebuild_s["forward_compile_s"] > 0
+    assert graphed.validate() == {}
+    for i in range(3):
+        graphed.add_request(i)
+    twice(graphed, eager, [TokenChunk(i, 0, [1 + i, 2, 3, 4]) for i in range(3)], 2e-2)
+    twice(graphed, eager, [TokenChunk(i, 4, [5 + i]) for i in range(3)], 2e-2)
+    assert graphed._forwards_to_build(graphed.manager.keys()) == []  # a recapture skips the pass
+    again, _ = make_pair("cuda", torch.bfloat16, backend, buckets=(3, 11, 29), max_seqs=5, max_tokens=29)
+    assert again._forwards_to_build(again.manager.keys()) == []  # recorded in the cache directory
+    other, _ = make_pair("cuda", torch.bfloat16, backend, buckets=(3, 11, 29), max_seqs=6, max_tokens=29)
+    assert other._forwards_to_build(other.manager.keys())  # another capacity: another forward
