@@ -412,7 +412,10 @@ def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, mo
     for obj in gc.get_objects():  # what a fresh process holds: no kernel in memory
         if isinstance(obj, JITFunction):
             obj.device_caches.clear()
-    graphed, eager = make_pair("cuda", torch.bfloat16, backend, buckets=(3, 11, 29), max_seqs=5, max_tokens=29)
+    # flashinfer needs head_dim 128 (rank_of_8's), which the tiny preset does not have
+    wide = {"preset": "rank_of_8", "layers": 2} if backend == "auto" else {}
+    shape = dict(buckets=(3, 11, 29), max_tokens=29, **wide)
+    graphed, eager = make_pair("cuda", torch.bfloat16, backend, max_seqs=5, **shape)
     assert graphed.compile_workers > 0 and graphed._forwards_to_build(graphed.manager.keys())
     misses = {"prebuild": 0, "after": 0}
     phase = {"now": "prebuild"}
@@ -442,7 +445,7 @@ def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, mo
     twice(graphed, eager, [TokenChunk(i, 0, [1 + i, 2, 3, 4]) for i in range(3)], 2e-2)
     twice(graphed, eager, [TokenChunk(i, 4, [5 + i]) for i in range(3)], 2e-2)
     assert graphed._forwards_to_build(graphed.manager.keys()) == []  # a recapture skips the pass
-    again, _ = make_pair("cuda", torch.bfloat16, backend, buckets=(3, 11, 29), max_seqs=5, max_tokens=29)
+    again, _ = make_pair("cuda", torch.bfloat16, backend, max_seqs=5, **shape)
     assert again._forwards_to_build(again.manager.keys()) == []  # recorded in the cache directory
-    other, _ = make_pair("cuda", torch.bfloat16, backend, buckets=(3, 11, 29), max_seqs=6, max_tokens=29)
+    other, _ = make_pair("cuda", torch.bfloat16, backend, max_seqs=6, **shape)
     assert other._forwards_to_build(other.manager.keys())  # another capacity: another forward
