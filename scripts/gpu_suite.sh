@@ -7,7 +7,8 @@
 #
 # Parts: tests, toy, kernels (attention kernels), moe, routernorm, tiles, profile (16-layer
 # rank-of-8 profile), producers (60-layer producer benchmark), startup (60-layer start-up: cold
-# and warm start, phases, memory per bucket), serve (60-layer serving simulation by capture mode),
+# and warm start, phases, memory per bucket; STARTUP_BASELINE=1 adds a cold start that compiles
+# Triton kernels on first launch, for the side-by-side), serve (60-layer serving simulation by capture mode),
 # overlap (decode step wall vs GPU-busy through the engine), soak (10k-step serving soak with
 # recaptures and checks), tp (tensor parallelism through NCCL: the parallel tests, then
 # profile_forward under torchrun at real width, --tp 1 beside the same run without a group, and
