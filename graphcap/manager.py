@@ -311,9 +311,8 @@ class CaptureManager:
             for key in self.keys() if keys is None else keys:
                 step = self.dummy_step(*key)
                 padding = self._padding_of(step, key)
-                with launching(), step_context(step, padding):
-                    self.prepare(step, padding)
-                views = self.inputs.copy_in(step.inputs, padding)
+                with launching():  # the host plan's own kernels (if any) run
+                    views = self._staged(step, padding)
                 run_eager(self.forward, views, step, padding, None)
         torch.cuda.synchronize(self.device)
 
@@ -464,10 +463,15 @@ class CaptureManager:
         out, _ = run_eager(self.forward, self.inputs.eager_inputs(step.inputs, step.num_tokens), step, padding, None)
         return out
 
-    def _run_padded(self, step: Step, padding: Padding, guard: bool) -> tuple[Any, EagerDriver]:
+    def _staged(self, step: Step, padding: Padding) -> dict[str, torch.Tensor]:
+        """The host plan (``prepare``) and the copy-in of a padded run: the views the forward
+        reads."""
         with step_context(step, padding):
             self.prepare(step, padding)
-        views = self.inputs.copy_in(step.inputs, padding)
+        return self.inputs.copy_in(step.inputs, padding)
+
+    def _run_padded(self, step: Step, padding: Padding, guard: bool) -> tuple[Any, EagerDriver]:
+        views = self._staged(step, padding)
         checker = CaptureGuard(self.device) if guard and self.config.guard_producers else None
         return run_eager(self.forward, views, step, padding, checker, capturing=guard)
 
@@ -567,9 +571,7 @@ class CaptureManager:
         (producers unguarded: warm-up guarded the same shapes)."""
         step = make_step(*key)
         padding = self._padding_of(step, key)
-        with step_context(step, padding):
-            self.prepare(step, padding)
-        views = self.inputs.copy_in(step.inputs, padding)
+        views = self._staged(step, padding)
         return capture_bucket(self.forward, views, step, padding, pool, stream, keep_graph)
 
     def _capture_again(self, key: Key, make_step: DummyStep, stream: torch.cuda.Stream) -> list[list[Any]]:

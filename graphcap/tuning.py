@@ -39,7 +39,9 @@ class KernelChoice:
 class ChoiceStore:
     """Kernel choices on disk (``graphcap.jit_cache.kernel_choices_file``), per namespace (the
     GPU and software versions), so a second start skips timing. A stored name is only a hint:
-    the tuner validates it against the reference before using it.
+    the tuner validates it against the reference before using it. Other start-up records
+    may share the file under their own entries (the M3 runner's "forward kernels|..." lists the
+    graph keys whose kernels were compiled into this cache directory).
 
     Args:
         path: the JSON file (created on the first ``put``).

@@ -44,6 +44,7 @@ from distributed import ParallelGroup
 from graphcap import CaptureConfig, CaptureManager, InputSpec, Padding, StaticInputs, Step
 from graphcap.compile_ahead import compile_ahead, default_workers
 from graphcap.config import is_int
+from graphcap.tuning import ChoiceStore
 from kvcache.paged import PagedKVCache
 
 from .config import MiniMaxM3Config
@@ -191,25 +192,29 @@ class M3Runner:
                 str(next(self.model.parameters()).dtype))
         return hashlib.sha1(repr(what).encode()).hexdigest()[:16]
 
+    def _forward_record(self) -> tuple[ChoiceStore | None, str, set[str]]:
+        """The choice store, its entry for this forward, and the graph keys (``_key_name``) it
+        records as built into this cache directory (none without a store)."""
+        store = self.model.ops.tuner.store if self.model.ops.tuner is not None else None
+        entry = f"forward kernels|{self._forward_signature()}"
+        return store, entry, set((store.get(entry) or "").split()) if store is not None else set()
+
     def _forwards_to_build(self, keys: list[tuple[int, bool]]) -> list[tuple[int, bool]]:
         """The graph keys whose forward kernels ``manager.precompile`` must build: not those
         this process built already (a recapture), nor those the choice store records as built
         into this cache directory for the same forward (a warm start, whose kernels load from
         Triton's disk cache on first launch). A stale record costs speed, never correctness:
         warm-up then compiles what is missing on first launch."""
-        store = self.model.ops.tuner.store if self.model.ops.tuner is not None else None
-        recorded = set((store.get(f"forward kernels|{self._forward_signature()}") or "").split()) if store else set()
+        recorded = self._forward_record()[2]
         return [k for k in keys if k not in self._built_forwards and _key_name(k) not in recorded]
 
     def _forwards_built(self, keys: list[tuple[int, bool]]) -> None:
         if not keys:
             return
         self._built_forwards.update(keys)
-        store = self.model.ops.tuner.store if self.model.ops.tuner is not None else None
+        store, entry, recorded = self._forward_record()
         if store is not None:
-            entry = f"forward kernels|{self._forward_signature()}"
-            names = set((store.get(entry) or "").split()) | {_key_name(k) for k in keys}
-            store.put(entry, " ".join(sorted(names)))
+            store.put(entry, " ".join(sorted(recorded | {_key_name(k) for k in keys})))
 
     # ---- capacity (what a scheduler reads) -----------------------------------------------
     @property
