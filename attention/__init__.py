@@ -3,8 +3,7 @@ Triton kernels and one backend per file (``attention/backends/``)."""
 
 from .base import AttentionBackend
 from .dims import AttentionDims
-from .metadata import AttentionMetadata, MetadataBuilder, TokenChunk, TokenFeed
+from .metadata import AttentionMetadata, MetadataBuilder
 from .registry import BACKENDS, make_backend
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionDims", "AttentionMetadata", "MetadataBuilder", "TokenChunk",
-           "TokenFeed", "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionDims", "AttentionMetadata", "MetadataBuilder", "make_backend"]

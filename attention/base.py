@@ -4,18 +4,21 @@ A backend plans once per step on the host (``plan(step, padding)``), then its op
 kernels only. The ops are the splice points, declared once here so their names and
 graph-safety answers cannot drift between backends: ``dense`` and ``sparse`` call the
 backend's ``_dense`` / ``_sparse`` and ask ``dense_graph_safe`` / ``sparse_graph_safe`` whether
-a whole decode graph of a given padding may capture them. Every op writes into a
+a decode graph of a given padding may capture them. Every op writes into a
 caller-owned ``out`` and returns ``None``.
 
 Step metadata reaches the ops through one channel, the step context graphcap watches
 (``self.meta`` / ``self.padding`` read ``graphcap.current_step()``): captured producer code that
 reads them raises, naming the read.
 
-Capture hooks, called by the runner before every (re)capture: ``init_capture(buckets,
-max_seqs)`` with the manager's whole-graph buckets (flashinfer builds its graph-mode wrappers
-for exactly those), ``warmup()`` (JIT builds before any capture), and ``graph_tensors()``:
-every buffer a graph reads (workspaces, indptr/indices buffers, the top-k buffer), registered
-with the manager so that reallocating any of them invalidates the graphs.
+Capture hooks, called by the runner before every (re)capture: ``init_capture(decode_sizes,
+max_seqs)`` with the decode-graph sizes (flashinfer builds its graph-mode wrappers for exactly
+those), ``warmup()`` (JIT builds before any capture; ``needs_jit`` says whether it builds
+anything), ``before_jit()`` (the ops as they may run while ``warmup`` still builds, e.g. for
+compiling Triton kernels ahead), and ``graph_tensors()``: every buffer a graph reads
+(workspaces, indptr/indices buffers, the top-k buffer), registered with the manager so that
+reallocating any of them invalidates the graphs. ``deterministic``: a step's kernels give
+the same bits for the same inputs (graphcap's audits then compare bit for bit).
 
 Adding a backend: subclass in its own module under ``attention/backends/`` and add it to
 ``attention.registry.BACKENDS``. Mix backends per layer kind with ``LayerSplit``.
@@ -23,8 +26,9 @@ Adding a backend: subclass in its own module under ``attention/backends/`` and a
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -41,7 +45,15 @@ class AttentionBackend(ABC):
     Args:
         cache: the paged cache the ops read.
         dims: attention shapes (kv heads, head dim and block size must match the cache).
+
+    Attributes:
+        needs_jit: ``warmup`` builds kernels (JIT) the ops need before they can run.
+        deterministic: the ops give the same bits for the same inputs (no atomics whose order
+            varies, no data-dependent split choices).
     """
+
+    needs_jit: bool = False
+    deterministic: bool = True
 
     def __init__(self, cache: PagedKVCache, dims: AttentionDims) -> None:
         dims.check_cache(cache)
@@ -103,20 +115,28 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no sparse attention; combine backends with LayerSplit")
 
     def dense_graph_safe(self, padding: Padding) -> bool:
-        """Whether a whole decode graph of ``padding`` may capture ``dense`` (default: no)."""
+        """Whether a decode graph of ``padding`` may capture ``dense`` (default: no)."""
         return False
 
     def sparse_graph_safe(self, padding: Padding) -> bool:
-        """Whether a whole decode graph of ``padding`` may capture ``sparse`` (default: no)."""
+        """Whether a decode graph of ``padding`` may capture ``sparse`` (default: no)."""
         return False
 
     # ---- capture hooks -----------------------------------------------------------------
-    def init_capture(self, whole_graph_buckets: Sequence[int], max_seqs: int) -> None:
-        """Prepare graph-mode state for whole decode graphs of these batch sizes (idempotent:
-        state made for earlier calls stays valid, since graphs captured then still read it)."""
+    def init_capture(self, decode_sizes: Sequence[int], max_seqs: int) -> None:
+        """Prepare graph-mode state for decode graphs of these batch sizes (idempotent: state
+        made for earlier calls stays valid, since graphs captured then still read it)."""
 
     def warmup(self) -> None:
         """Build and load every kernel the ops may launch (JIT), before any capture."""
+
+    @contextlib.contextmanager
+    def before_jit(self) -> Iterator[bool]:
+        """Within the block the ops run as they can while ``warmup`` may still be building
+        (another thread): yields True when they can run now, False when they need ``warmup``
+        to finish first. A composite may serve a part by a JIT-free stand-in meanwhile (not
+        for capture: the graph state stays the part's)."""
+        yield not self.needs_jit
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """Every persistent device buffer a captured graph of these ops reads."""

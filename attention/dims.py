@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphcap.config import is_int
+from common.values import is_int
 from kvcache.paged import PagedKVCache
 
 

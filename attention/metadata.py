@@ -13,109 +13,17 @@ slots, never a walk over the prompt's page list.
 
 from __future__ import annotations
 
-import numbers
+import warnings
 from dataclasses import dataclass, fields
-from typing import Hashable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
+import steps
 from attention.staging import PingPongStaging
-from graphcap.config import is_int
+from common.values import is_int
 from kvcache.paged import PagedKVCache
-
-
-def _as_int(value: object) -> int | None:
-    """``value`` as an int if it is an integer (Python, NumPy or 0-d integer tensor), not a bool."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() or value.is_floating_point()
-                                                                     or value.dtype == torch.bool)):
-        return None
-    if isinstance(value, (numbers.Integral, torch.Tensor)):
-        return int(value)
-    return None
-
-
-def _token_ids(seq_id: Hashable, token_ids: object) -> tuple[int, ...]:
-    """Token ids as a tuple of ints; floats, bools and other types are refused (never truncated)."""
-    if isinstance(token_ids, torch.Tensor):
-        if (token_ids.dim() != 1 or token_ids.is_floating_point() or token_ids.is_complex()
-                or token_ids.dtype == torch.bool):
-            raise ValueError(f"request {seq_id!r}: token_ids must be a 1-D integer sequence, got a "
-                             f"{token_ids.dtype} tensor of shape {tuple(token_ids.shape)}")
-        return tuple(token_ids.tolist())
-    if (isinstance(token_ids, (str, bytes))
-            or not isinstance(token_ids, Sequence) and not hasattr(token_ids, "__array__")):
-        raise ValueError(f"request {seq_id!r}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
-    if isinstance(token_ids, (list, tuple)) and all(type(t) is int for t in token_ids):
-        return tuple(token_ids)  # the common case, checked at C speed (bools are not type int)
-    out = []
-    for i, t in enumerate(token_ids):
-        v = _as_int(t)
-        if v is None:
-            raise ValueError(f"request {seq_id!r}: token_ids[{i}] = {t!r} is not an integer token id")
-        out.append(v)
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """One request's tokens for one step: ``token_ids`` at positions ``start_pos ...``.
-
-    ``start_pos`` must continue the sequence: it equals the positions already written for it
-    (``M3Runner.num_tokens(seq_id)``), so attention never reads a position this request did
-    not write. To rewrite earlier positions (e.g. drop rejected speculative tokens), rewind
-    the sequence first (``M3Runner.rewind_request``). A decode request is a chunk of one token.
-
-    Attributes:
-        seq_id: the request (added with ``M3Runner.add_request``).
-        start_pos: first position of this chunk (any integer type; stored as int).
-        token_ids: the chunk's token ids (any integer sequence; stored as a tuple of ints).
-    """
-
-    seq_id: Hashable
-    start_pos: int
-    token_ids: Sequence[int]
-
-    def __post_init__(self) -> None:
-        start = _as_int(self.start_pos)
-        if start is None or start < 0:
-            raise ValueError(f"request {self.seq_id!r}: start_pos must be an integer >= 0, got {self.start_pos!r}")
-        ids = _token_ids(self.seq_id, self.token_ids)
-        if not ids:
-            raise ValueError(f"request {self.seq_id!r}: a chunk needs at least one token")
-        object.__setattr__(self, "start_pos", start)
-        object.__setattr__(self, "token_ids", ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def end_pos(self) -> int:
-        """One past the chunk's last position: the context length after this step."""
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class TokenFeed:
-    """Token ids of a step that live on the device (e.g. the previous step's sampled tokens,
-    fed without a round trip to the host): rows ``rows`` of the step's flattened tokens take
-    ``tokens``; the chunks hold placeholders there.
-
-    Attributes:
-        rows: flat token rows of the step (in chunk order), each once.
-        tokens: ``int64 [len(rows)]`` on the step's device.
-    """
-
-    rows: tuple[int, ...]
-    tokens: torch.Tensor
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rows", tuple(self.rows))
-        if self.tokens.dim() != 1 or self.tokens.shape[0] != len(self.rows) or self.tokens.dtype != torch.int64:
-            raise ValueError(f"TokenFeed.tokens must be int64 [{len(self.rows)}] (one per row), got "
-                             f"{self.tokens.dtype} {tuple(self.tokens.shape)}")
-        if len(set(self.rows)) != len(self.rows):
-            raise ValueError(f"TokenFeed.rows must be distinct, got {self.rows}")
+from steps import TokenChunk as _Chunk
 
 
 @dataclass(frozen=True)
@@ -124,7 +32,7 @@ class MetadataBuffers:
 
     qo_indptr: torch.Tensor  # int32 [max_seqs + 2]
     kv_lens: torch.Tensor  # int32 [max_seqs + 1]
-    seq_slots: torch.Tensor  # int32 [max_seqs + 1]
+    table_rows: torch.Tensor  # int32 [max_seqs + 1]
     token_seq: torch.Tensor  # int32 [max_tokens]
     positions: torch.Tensor  # int64 [max_tokens]
     slot_mapping: torch.Tensor  # int64 [max_tokens]
@@ -138,7 +46,7 @@ class MetadataBuffers:
         return dict(
             qo_indptr=self.qo_indptr[: num_seqs + 1],
             kv_lens=self.kv_lens[:num_seqs],
-            seq_slots=self.seq_slots[:num_seqs],
+            table_rows=self.table_rows[:num_seqs],
             token_seq=self.token_seq[:num_tokens],
             positions=self.positions[:num_tokens],
             slot_mapping=self.slot_mapping[:num_tokens],
@@ -160,12 +68,12 @@ class AttentionMetadata:
         max_q_len, max_kv_len: over the real requests.
         qo_indptr: int32 [B+1], token offsets of each request.
         kv_lens: int32 [B], context length including this step (start_pos + num_tokens).
-        seq_slots: int32 [B], block-table rows.
+        table_rows: int32 [B], block-table rows.
         token_seq: int32 [T], request row of each token (pad tokens: row ``pad_seq_row``).
         positions: int64 [T]; slot_mapping: int64 [T] (pad: -1).
-        block_tables: the cache's ``int32 [max_seq_slots, max_pages_per_seq]``.
+        block_tables: the cache's ``int32 [max_table_rows, max_pages_per_seq]``.
         page_size: the cache's page (= sparse block) size.
-        qo_indptr_host, kv_lens_host, seq_slots_host: CPU int32 copies of the real entries.
+        qo_indptr_host, kv_lens_host, table_rows_host: CPU int32 copies of the real entries.
         buffers: the full persistent buffers (for kernels that launch at capacity).
         pad_seq_row: the request row pad tokens point at (always a pad row).
     """
@@ -176,7 +84,7 @@ class AttentionMetadata:
     max_kv_len: int
     qo_indptr: torch.Tensor
     kv_lens: torch.Tensor
-    seq_slots: torch.Tensor
+    table_rows: torch.Tensor
     token_seq: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -184,7 +92,7 @@ class AttentionMetadata:
     page_size: int
     qo_indptr_host: torch.Tensor
     kv_lens_host: torch.Tensor
-    seq_slots_host: torch.Tensor
+    table_rows_host: torch.Tensor
     buffers: MetadataBuffers
     pad_seq_row: int
 
@@ -192,7 +100,7 @@ class AttentionMetadata:
         """The real requests on the host: ``(first token, end token, kv_len, block-table row)``
         each, in batch order (for reference maths and planners)."""
         return zip(self.qo_indptr_host[:-1].tolist(), self.qo_indptr_host[1:].tolist(),
-                   self.kv_lens_host.tolist(), self.seq_slots_host.tolist())
+                   self.kv_lens_host.tolist(), self.table_rows_host.tolist())
 
 
 class MetadataBuilder:
@@ -220,10 +128,10 @@ class MetadataBuilder:
         # Host staging (pinned on CUDA) mirrors the device buffers entry for entry. Two sets,
         # used alternately, so a non-blocking copy still reading one set is never overwritten
         # by the next build.
-        pads = dict(qo_indptr=0, kv_lens=0, seq_slots=cache.pad_seq_slot, token_seq=self.pad_seq_row,
+        pads = dict(qo_indptr=0, kv_lens=0, table_rows=cache.pad_table_row, token_seq=self.pad_seq_row,
                     positions=0, slot_mapping=-1)
-        sizes = dict(qo_indptr=s + 1, kv_lens=s, seq_slots=s, token_seq=t, positions=t, slot_mapping=t)
-        dtypes = dict(qo_indptr=torch.int32, kv_lens=torch.int32, seq_slots=torch.int32, token_seq=torch.int32,
+        sizes = dict(qo_indptr=s + 1, kv_lens=s, table_rows=s, token_seq=t, positions=t, slot_mapping=t)
+        dtypes = dict(qo_indptr=torch.int32, kv_lens=torch.int32, table_rows=torch.int32, token_seq=torch.int32,
                       positions=torch.int64, slot_mapping=torch.int64)
         self._pads = pads
         self._staging = PingPongStaging(
@@ -234,7 +142,7 @@ class MetadataBuilder:
         self._hw = [(0, 0), (0, 0)]
         self._hw_dev = (0, 0)
 
-    def check(self, chunks: Sequence[TokenChunk], vocab_size: int | None = None) -> None:
+    def check(self, chunks: Sequence[_Chunk], vocab_size: int | None = None) -> None:
         """Every rule a step must meet, checked once, before anything is reserved or written.
 
         Raises:
@@ -245,9 +153,12 @@ class MetadataBuilder:
                 allows, a token id outside ``[0, vocab_size)``.
             RuntimeError: the step needs more free KV pages than the cache has.
         """
+        if isinstance(chunks, _Chunk):
+            raise ValueError(f"a step is a list of TokenChunk, got one TokenChunk (request {chunks.seq_id!r}); "
+                             f"pass [chunk]")
         if not chunks:
             raise ValueError("a step needs at least one TokenChunk")
-        bad = [ch for ch in chunks if not isinstance(ch, TokenChunk)]
+        bad = [ch for ch in chunks if not isinstance(ch, _Chunk)]
         if bad:
             raise ValueError(f"a step is a sequence of TokenChunk, got {type(bad[0]).__name__}")
         if len(chunks) > self.max_seqs:
@@ -257,14 +168,14 @@ class MetadataBuilder:
         if total > self.max_tokens:
             raise ValueError(f"step has {total} tokens but max_tokens={self.max_tokens}; "
                              "split the step or raise max_tokens")
-        cache, seen, pages = self.cache, set(), 0
+        cache, seen, needs = self.cache, set(), {}
         for ch in chunks:
             sid = ch.seq_id
             if sid in seen:
                 raise ValueError(f"request {sid!r} appears twice in one step; merge its chunks")
             seen.add(sid)
             if not cache.has_sequence(sid):
-                raise ValueError(f"request {sid!r} is unknown; add it first (M3Runner.add_request({sid!r}))")
+                raise ValueError(f"request {sid!r} is unknown; add it first (runner.add_request({sid!r}))")
             written = cache.num_written(sid)
             if ch.start_pos != written:
                 what = "skips past" if ch.start_pos > written else "rewrites"
@@ -272,7 +183,7 @@ class MetadataBuilder:
                     f"request {sid!r}: chunk at start_pos={ch.start_pos} {what} the {written} positions "
                     "written so far; "
                     f"a chunk must continue its sequence (start_pos={written})"
-                    + ("" if ch.start_pos > written else ", or rewind it first (M3Runner.rewind_request)"))
+                    + ("" if ch.start_pos > written else ", or rewind it first (runner.rewind_request)"))
             if ch.end_pos > cache.config.max_seq_len:
                 raise ValueError(f"request {sid!r} would hold {ch.end_pos} positions but a sequence holds at most "
                                  f"{cache.config.max_seq_len} (max_pages_per_seq * page_size); raise max_seq_len")
@@ -280,12 +191,15 @@ class MetadataBuilder:
                 out = [t for t in ch.token_ids if not 0 <= t < vocab_size]
                 if out:
                     raise ValueError(f"request {sid!r}: token id {out[0]} is outside the vocabulary [0, {vocab_size})")
-            pages += cache.pages_needed(sid, ch.end_pos)
-        if pages > cache.num_free_pages:
-            raise RuntimeError(f"step needs {pages} new KV pages but {cache.num_free_pages} of {cache.num_pages} "
-                               f"are free; run fewer chunks or free finished requests")
+            new_pages = cache.pages_needed(sid, ch.end_pos)
+            if new_pages:
+                needs[sid] = new_pages
+        if sum(needs.values()) > cache.num_free_pages:
+            who = ", ".join(f"request {sid!r} {n}" for sid, n in needs.items())
+            raise RuntimeError(f"step needs {sum(needs.values())} new KV pages ({who}) but {cache.num_free_pages} of "
+                               f"{cache.num_pages} are free; run fewer chunks or free finished requests")
 
-    def build(self, chunks: Sequence[TokenChunk]) -> AttentionMetadata:
+    def build(self, chunks: Sequence[_Chunk]) -> AttentionMetadata:
         """Metadata for ``chunks`` (checked by ``check``, pages reserved) flattened in order."""
         nb = len(chunks)
         total = sum(ch.num_tokens for ch in chunks)
@@ -301,7 +215,7 @@ class MetadataBuilder:
         for i, ch in enumerate(chunks):
             end = ch.start_pos + ch.num_tokens
             slots.extend(cache.slots(ch.seq_id, ch.start_pos, ch.num_tokens))  # raises past reserved pages
-            rows.append(cache.seq_slot(ch.seq_id))
+            rows.append(cache.table_row(ch.seq_id))
             indptr.append(indptr[-1] + ch.num_tokens)
             kv_lens.append(end)
             token_seq.extend([i] * ch.num_tokens)
@@ -317,13 +231,13 @@ class MetadataBuilder:
             # qo_indptr pads equal T, which changes every step: rewrite it whole (O(max_seqs)).
             _put(st["qo_indptr"], indptr, total, st["qo_indptr"].shape[0])
             _put(st["kv_lens"], kv_lens, self._pads["kv_lens"], max(hw_s, nb))
-            _put(st["seq_slots"], rows, self._pads["seq_slots"], max(hw_s, nb))
+            _put(st["table_rows"], rows, self._pads["table_rows"], max(hw_s, nb))
             _put(st["token_seq"], token_seq, self._pads["token_seq"], max(hw_t, total))
-            _put(st["positions"], positions, 0, max(hw_t, total))
-            _put(st["slot_mapping"], slots, -1, max(hw_t, total))
+            _put(st["positions"], positions, self._pads["positions"], max(hw_t, total))
+            _put(st["slot_mapping"], slots, self._pads["slot_mapping"], max(hw_t, total))
             self._hw[w] = (total, nb)
             self._hw_dev = (total, nb)
-            lengths = dict(qo_indptr=st["qo_indptr"].shape[0], kv_lens=dev_s, seq_slots=dev_s, token_seq=dev_t,
+            lengths = dict(qo_indptr=st["qo_indptr"].shape[0], kv_lens=dev_s, table_rows=dev_s, token_seq=dev_t,
                            positions=dev_t, slot_mapping=dev_t)
             for name, n in lengths.items():
                 getattr(buf, name)[:n].copy_(st[name][:n], non_blocking=self._staging.non_blocking)
@@ -338,7 +252,7 @@ class MetadataBuilder:
             page_size=cache.page_size,
             qo_indptr_host=torch.tensor(indptr, dtype=torch.int32),
             kv_lens_host=torch.tensor(kv_lens, dtype=torch.int32),
-            seq_slots_host=torch.tensor(rows, dtype=torch.int32),
+            table_rows_host=torch.tensor(rows, dtype=torch.int32),
             buffers=buf,
             pad_seq_row=self.pad_seq_row,
         )
@@ -351,3 +265,13 @@ def _put(dst: torch.Tensor, values: list[int], pad: int, upto: int) -> None:
     upto = min(upto, dst.shape[0])
     if upto > n:
         dst[n:upto] = pad
+
+
+def __getattr__(name: str) -> object:
+    """``TokenChunk`` and ``TokenFeed`` moved to ``steps`` (the vocabulary the engine shares);
+    the old import path works for one release, with a warning."""
+    if name in ("TokenChunk", "TokenFeed"):
+        warnings.warn(f"attention.metadata.{name} moved to steps.{name}; import it from steps", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(steps, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -111,9 +111,10 @@ def selected_keys(sel: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.
 def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]:
     from attention.kernels.indexer import index_topk_decode
     from attention.kernels.sparse import sparse_attention_decode
-    from attention.metadata import MetadataBuilder, TokenChunk
+    from attention.metadata import MetadataBuilder
     from attention.reference.indexer import index_topk_ref
     from attention.reference.sparse import sparse_attention_ref
+    from steps import TokenChunk
 
     d = dims
     cache = make_cache(d, [ctx] * batch, capacity, device)
@@ -168,9 +169,10 @@ def bench_decode(dims, ctx, batch, capacity, timer, ref_ok, device) -> list[Row]
 def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
     from attention.kernels.indexer import index_topk_prefill
     from attention.kernels.sparse import sparse_attention_prefill
-    from attention.metadata import MetadataBuilder, TokenChunk
+    from attention.metadata import MetadataBuilder
     from attention.reference.indexer import index_topk_ref
     from attention.reference.sparse import sparse_attention_ref
+    from steps import TokenChunk
 
     d = dims
     cache = make_cache(d, [ctx], ctx, device)
@@ -220,7 +222,8 @@ def bench_prefill(dims, ctx, chunk, timer, ref_ok, device) -> list[Row]:
 
 def bench_dense_decode(dims, ctx, batch, timer, device) -> list[Row]:
     from attention.kernels.sparse import dense_attention_triton
-    from attention.metadata import MetadataBuilder, TokenChunk
+    from attention.metadata import MetadataBuilder
+    from steps import TokenChunk
 
     d = dims
     cache = make_cache(d, [ctx] * batch, ctx, device)

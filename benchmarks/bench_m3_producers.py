@@ -6,7 +6,7 @@ cache; every request has ``--context`` tokens of (random) context, written strai
 cache. Per mode the same steps run:
 
 - ``eager``: no graphs, torch producers (``producer=torch``);
-- ``torch``: graphcap (whole decode graphs, segmented mixed steps), torch producers;
+- ``torch``: graphcap (decode graphs, piecewise graphs for mixed steps), torch producers;
 - ``fused``: graphcap, the fused op table (Triton norms, router, MoE, SwiGLU, norm+RoPE+cache);
 - ``compile``: graphcap capturing ``torch.compile``d torch producers (Inductor, default mode: no
   CUDA graphs of its own; the norms, dense MLP and MoE, each a function of tensors so one
@@ -29,14 +29,15 @@ from typing import Callable
 
 import torch
 
-from attention.metadata import TokenChunk
 from graphcap import CaptureConfig
 from graphcap.report import choices_table, kernel_table, measure_coverage
-from graphcap.validation import relative_error
+from graphcap.verify.compare import relative_error
+from models.minimax_m3 import build_from_preset
 from models.minimax_m3 import ops as m3ops
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.layers import route, routed_grouped
-from models.minimax_m3.runner import M3Runner, build_from_preset
+from models.minimax_m3.layers import gemma_rmsnorm, route, routed_grouped, swiglu_oai
+from models.runner import ModelRunner
+from steps import TokenChunk
 
 
 def compiled_ops() -> m3ops.M3Ops:
@@ -47,7 +48,7 @@ def compiled_ops() -> m3ops.M3Ops:
 
     @torch.compile(dynamic=False)
     def rms(x, w, eps: float):
-        return m3ops.rmsnorm_torch(x, w, eps)
+        return gemma_rmsnorm(x, w, eps)
 
     @torch.compile(dynamic=False)
     def add_rms(x, r, w, eps: float):
@@ -57,7 +58,7 @@ def compiled_ops() -> m3ops.M3Ops:
     def mlp_fn(x, gu_w, down_w, alpha: float, limit: float):
         inter = down_w.shape[1]
         gu = torch.nn.functional.linear(x, gu_w)
-        return torch.nn.functional.linear(m3ops.swiglu_oai(gu[:, :inter], gu[:, inter:], alpha, limit), down_w)
+        return torch.nn.functional.linear(swiglu_oai(gu[:, :inter], gu[:, inter:], alpha, limit), down_w)
 
     @torch.compile(dynamic=False)
     def moe_fn(x, n, gate_w, bias, w13, w2, sh_gu, sh_down, top_k: int, scale: float, alpha: float, limit: float,
@@ -66,7 +67,7 @@ def compiled_ops() -> m3ops.M3Ops:
         routed = routed_grouped(x, ids, w, w13, w2, alpha, limit, offset)
         inter = sh_down.shape[1]
         gu = torch.nn.functional.linear(x, sh_gu)
-        shared = torch.nn.functional.linear(m3ops.swiglu_oai(gu[:, :inter], gu[:, inter:], alpha, limit), sh_down)
+        shared = torch.nn.functional.linear(swiglu_oai(gu[:, :inter], gu[:, inter:], alpha, limit), sh_down)
         return (routed + shared.float()).to(x.dtype)
 
     def mlp(m, x):
@@ -80,7 +81,7 @@ def compiled_ops() -> m3ops.M3Ops:
     return m3ops.M3Ops("compile", m3ops.norm_rope_write_triton, rms, add_rms, mlp, moe)
 
 
-def run_again(runner: M3Runner, chunks: list[TokenChunk]):
+def run_again(runner: ModelRunner, chunks: list[TokenChunk]):
     out = runner.step(chunks)
     for ch in chunks:
         runner.rewind_request(ch.seq_id, ch.start_pos)
@@ -209,7 +210,7 @@ def main() -> None:
     print_table(results, args.layers)
 
 
-def fp32_reference_check(big: M3Runner, layers: int, n_steps: int, device: str) -> dict:
+def fp32_reference_check(big: ModelRunner, layers: int, n_steps: int, device: str) -> dict:
     """The first ``layers`` layers of the model three times over identical weights and caches:
     fp32 with the torch producers and the reference attention (the reference), bf16 with the
     torch producers, bf16 with the fused producers (both on the production attention backend).
@@ -263,7 +264,7 @@ def fp32_reference_check(big: M3Runner, layers: int, n_steps: int, device: str) 
                 tokens_equal_to_fp32={k: f"{v}/{total}" for k, v in same_as_fp32.items()})
 
 
-def decode_trace(runner: M3Runner, n_steps: int, context: int, reference: dict | None = None) -> dict:
+def decode_trace(runner: ModelRunner, n_steps: int, context: int, reference: dict | None = None) -> dict:
     """``n_steps`` greedy decode steps of (up to) 4 requests. Without ``reference``: record the inputs,
     greedy tokens, top-2 logit gaps and bf16 error bounds (2e-2 of the logits' rms, the bf16
     tolerance used elsewhere). With it: run the reference's inputs (teacher forcing) and count,

@@ -23,16 +23,17 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from attention.metadata import TokenChunk
 from engine import Engine, EngineConfig, Request, SchedulerConfig
 from graphcap import CaptureConfig
+from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.runner import M3Runner, build_from_preset
+from models.runner import ModelRunner
+from steps import TokenChunk
 
 SPIN_CYCLES = 80_000_000  # ~40 ms at H200 clocks: longer than the host needs to queue a step
 
 
-def engine_for(runner: M3Runner, batch: int, context: int, steps: int, overlap: bool, tag: str) -> Engine:
+def engine_for(runner: ModelRunner, batch: int, context: int, steps: int, overlap: bool, tag: str) -> Engine:
     """An engine with ``batch`` requests prefilled and decoding (enough tokens left for ``steps``)."""
     eng = Engine(runner, EngineConfig(SchedulerConfig(chunk_size=runner.max_tokens), overlap=overlap))
     g = torch.Generator().manual_seed(batch)
@@ -67,7 +68,7 @@ def busy_ms(eng: Engine, steps: int) -> float:
     return statistics.median(out)
 
 
-def runner_loop_ms(runner: M3Runner, batch: int, context: int, steps: int) -> float:
+def runner_loop_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
     """``runner.step`` per decode step (greedy tokens read on the host every step)."""
     ids = [f"loop{i}" for i in range(batch)]
     g = torch.Generator().manual_seed(7)
@@ -81,7 +82,7 @@ def runner_loop_ms(runner: M3Runner, batch: int, context: int, steps: int) -> fl
     times = []
     for _ in range(steps + 3):
         t0 = time.perf_counter()
-        out = runner.step([TokenChunk(s, runner.num_tokens(s), [t]) for s, t in zip(ids, toks)])
+        out = runner.step([TokenChunk(s, runner.num_written(s), [t]) for s, t in zip(ids, toks)])
         toks = out.next_tokens
         times.append(1e3 * (time.perf_counter() - t0))
     for sid in ids:

@@ -19,28 +19,30 @@ copy-in and the host sync of reading the output) and by CUDA events (GPU span).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import pstats
-import statistics
 import time
 
 import torch
 from rich.console import Console
+from timing import step_ms
 
-from attention.metadata import TokenChunk
-from graphcap import CaptureConfig
+from graphcap import CaptureConfig, GraphKey, Padding, Purpose
 from graphcap.report import stats_table
+from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.runner import M3Runner, build_from_preset
+from models.runner import ModelRunner
+from steps import TokenChunk
 
 
 class TritonCompiles:
     """Counts and times Triton's ``compile()`` calls: loads from the disk cache and real
     builds (told apart by Triton's compilation listener), in total and per kernel. Install
     before the first launch: each kernel binds ``compile`` on its first run. Compiles may run
-    in threads (``graphcap.compile_ahead``): their seconds add up to more than the wall time."""
+    in threads (``graphcap.startup.compile_ahead``): their seconds add up to more than the wall time."""
 
     def __init__(self) -> None:
         import threading
@@ -101,7 +103,7 @@ class TritonCompiles:
 COMPILES: TritonCompiles | None = None
 
 
-def phases(runner: M3Runner) -> dict:
+def phases(runner: ModelRunner) -> dict:
     """The manager's per-phase start-up times (seconds), with the prebuild's parts."""
     s = runner.manager.stats
     out = {k: round(getattr(s, k), 3) for k in ("jit_s", "warmup_s", "capture_s", "validate_s", "frozen_s")}
@@ -109,25 +111,29 @@ def phases(runner: M3Runner) -> dict:
     return out
 
 
-def bucket_rows(runner: M3Runner) -> list[dict]:
-    return [dict(bucket=b, whole=full, status=s.status, capture_ms=round(s.capture_ms, 1),
+def bucket_rows(runner: ModelRunner) -> list[dict]:
+    return [dict(graph=str(key), status=s.status, capture_ms=round(s.capture_ms, 1),
                  memory_mib=round(s.memory_mib, 1), segments=s.segments, reason=s.reason)
-            for (b, full), s in sorted(runner.manager.stats.buckets.items(), key=lambda kv: (-kv[0][0], kv[0][1]))]
+            for key, s in sorted(runner.manager.stats.buckets.items(), key=lambda kv: (-kv[0].rows, kv[0].decode))]
 
 
-def timed_capture(runner: M3Runner, profile: bool = False) -> dict:
+def timed_capture(runner: ModelRunner, profile: bool = False) -> dict:
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     compiles = COMPILES.snapshot() if COMPILES else {}
     in_prebuild: dict = {}
-    hook = runner.manager.before_capture
+    source = runner.source
+    hook = source.prebuild
 
-    def prebuild(manager) -> None:  # Triton compiles of the prebuild alone (the rest: warm-up)
+    @contextlib.contextmanager
+    def prebuild(keys):  # Triton compiles of the prebuild alone (the rest: warm-up)
         before = COMPILES.snapshot()
-        hook(manager)
+        with hook(keys) as plan:
+            yield plan
         in_prebuild.update(COMPILES.since(before))
 
-    runner.manager.before_capture = prebuild if COMPILES and hook else hook
+    if COMPILES:
+        source.prebuild = prebuild
     prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
     try:
@@ -137,7 +143,7 @@ def timed_capture(runner: M3Runner, profile: bool = False) -> dict:
     finally:
         if prof:
             prof.disable()
-        runner.manager.before_capture = hook
+        source.prebuild = hook
     total = time.perf_counter() - t0
     top = {}
     if prof:
@@ -155,54 +161,30 @@ def timed_capture(runner: M3Runner, profile: bool = False) -> dict:
                 buckets=bucket_rows(runner), **({"cprofile": top} if top else {}))
 
 
-def step_times(runner: M3Runner, chunks: list[TokenChunk], iters: int) -> dict:
-    """Median wall ms and CUDA-event ms of ``runner.step(chunks)`` (rewound after each run)."""
-    def once() -> None:
-        runner.step(chunks)
-        for ch in chunks:
-            runner.rewind_request(ch.seq_id, ch.start_pos)
-
-    for _ in range(3):
-        once()
-    walls, gpus = [], []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        once()
-        end.record()
-        end.synchronize()
-        walls.append((time.perf_counter() - t0) * 1e3)
-        gpus.append(start.elapsed_time(end))
-    return dict(wall_ms=round(statistics.median(walls), 3), span_ms=round(statistics.median(gpus), 3))
-
-
-def profile_capture_one(runner: M3Runner, bucket: int, whole: bool) -> dict:
+def profile_capture_one(runner: ModelRunner, bucket: int, whole: bool) -> dict:
     """Where one graph's capture time goes: eager forward (plain, guarded) and the capture,
     the latter under cProfile (top functions by own time)."""
     m = runner.manager
-    key = (bucket, whole)
-    step = runner.dummy_step(bucket, whole)
-    padding = m._padding_of(step, key)
-    out: dict = {"bucket": bucket, "whole": whole}
+    key = GraphKey(bucket, whole)
+    step = runner.source.dummy_step(key, Purpose.CAPTURE)
+    padding = Padding.for_graph(step.num_tokens, step.num_seqs, key)
+    out: dict = {"graph": str(key)}
     for guard in (False, True):
-        m._run_padded(step, padding, guard=guard)
+        m.eager.padded(step, padding, guard=guard)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        m._run_padded(step, padding, guard=guard)
+        m.eager.padded(step, padding, guard=guard)
         out[f"eager_{'guarded' if guard else 'plain'}_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
         torch.cuda.synchronize()
         out[f"eager_{'guarded' if guard else 'plain'}_synced_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-    runner.release_dummies()
-    stream = torch.cuda.Stream()
+    runner.source.release_dummies()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    m._capture_one(key, stream)
+    m.capturer.capture(key, Purpose.CAPTURE, torch.cuda.graph_pool_handle(), keep_graph=False)
     prof.disable()
     out["capture_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-    runner.release_dummies()
+    runner.source.release_dummies()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
     out["cprofile_top"] = s.getvalue().splitlines()[-30:]
@@ -285,7 +267,7 @@ def main() -> None:
         TokenChunk(n_req - 1, args.context, torch.randint(0, vocab, (chunk,), generator=gen).tolist())]
     res["steps"] = {}
     for name, chunks in steps.items():
-        res["steps"][name] = step_times(runner, chunks, args.iters)
+        res["steps"][name] = step_ms(runner, chunks, args.iters)
         print(name, res["steps"][name], flush=True)
     for i in range(n_req):
         runner.free_request(i)

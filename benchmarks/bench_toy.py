@@ -1,8 +1,8 @@
-"""Toy transformer: eager vs graphcap (segmented and whole-graph decode) per token count.
+"""Toy transformer: eager vs graphcap (piecewise and decode graphs) per token count.
 
 GPU only. Each step is a batch of ``n`` decode tokens (one per sequence, 64 tokens of context)
-run through ``CaptureManager.run``: eager = graphs disabled; segmented = graph segments with
-the attention splice eager between them; whole = one graph through the graph-safe splice.
+run through ``CaptureManager.run``: eager = graphs disabled; piecewise = graph segments with
+the attention splice eager between them; decode = one graph through the graph-safe splice.
 Times are medians of CUDA-event timed steps after warm-up, each step including the host work
 (plan, input copy-in, replay).
 """
@@ -16,9 +16,10 @@ import statistics
 
 import torch
 
-from graphcap import CaptureConfig, CaptureManager
+from graphcap import CaptureConfig, CaptureManager, GraphKey
 from graphcap.report import measure_coverage
-from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
+from models.toy.bare import ToySource, ToyTransformer, make_step, toy_static_inputs
+from models.toy.config import ToyConfig
 
 
 def time_steps(manager: CaptureManager, step, iters: int, warmup: int = 3) -> float:
@@ -54,7 +55,7 @@ def main() -> None:
     static = toy_static_inputs(cfg, "cuda")
 
     def manager_for(config: CaptureConfig) -> CaptureManager:
-        m = CaptureManager(model.forward, static, config, prepare=toy_prepare(model), dummy_step=toy_dummy_step(cfg))
+        m = CaptureManager(model.forward, static, config, ToySource(model))
         m.register("model", model)
         m.register("kv_cache", model.cache_tensors, mutable=True)
         return m
@@ -65,15 +66,15 @@ def main() -> None:
     rows = []
     for n in counts:
         decode = make_step(cfg, [(i, 64, 1) for i in range(n)])
-        mixed = dataclasses.replace(decode, uniform_decode=False)  # the segmented graph of the same bucket
+        mixed = dataclasses.replace(decode, uniform_decode=False)  # the piecewise graph of the same bucket
         e = time_steps(eager, decode, args.iters)
         s = time_steps(graphs, mixed, args.iters)
         w = time_steps(graphs, decode, args.iters)
-        seg, whole = graphs.stats.bucket(n, False), graphs.stats.bucket(n, True)
+        piece_stats, decode_stats = graphs.stats.graph(GraphKey(n, False)), graphs.stats.graph(GraphKey(n, True))
         rows.append(dict(
-            tokens=n, eager_ms=e, segmented_ms=s, whole_ms=w, speedup_segmented=e / s, speedup_whole=e / w,
-            capture_ms_segmented=seg.capture_ms, capture_ms_whole=whole.capture_ms,
-            mib_segmented=seg.memory_mib, mib_whole=whole.memory_mib, segments=seg.segments,
+            tokens=n, eager_ms=e, piecewise_ms=s, decode_ms=w, speedup_piecewise=e / s, speedup_decode=e / w,
+            capture_ms_piecewise=piece_stats.capture_ms, capture_ms_decode=decode_stats.capture_ms,
+            mib_piecewise=piece_stats.memory_mib, mib_decode=decode_stats.memory_mib, segments=piece_stats.segments,
         ))
     cov = measure_coverage(graphs, make_step(cfg, [(i, 64, 1) for i in range(8)]))
     result = dict(
@@ -87,12 +88,12 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"GPU {result['gpu']}, toy {cfg.num_layers} layers x hidden {cfg.hidden}, bf16, decode batches, context 64")
-    print(f"{'tokens':>6} {'eager ms':>9} {'segm ms':>8} {'whole ms':>9} {'x segm':>7} {'x whole':>8} "
+    print(f"{'tokens':>6} {'eager ms':>9} {'piece ms':>8} {'decode ms':>9} {'x piece':>7} {'x decode':>8} "
           f"{'cap ms s/w':>12} {'MiB s/w':>12}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['eager_ms']:>9.3f} {r['segmented_ms']:>8.3f} {r['whole_ms']:>9.3f} "
-              f"{r['speedup_segmented']:>7.2f} {r['speedup_whole']:>8.2f} {r['capture_ms_segmented']:>5.0f}/"
-              f"{r['capture_ms_whole']:<6.0f} {r['mib_segmented']:>5.1f}/{r['mib_whole']:<6.1f}")
+        print(f"{r['tokens']:>6} {r['eager_ms']:>9.3f} {r['piecewise_ms']:>8.3f} {r['decode_ms']:>9.3f} "
+              f"{r['speedup_piecewise']:>7.2f} {r['speedup_decode']:>8.2f} {r['capture_ms_piecewise']:>5.0f}/"
+              f"{r['capture_ms_decode']:<6.0f} {r['mib_piecewise']:>5.1f}/{r['mib_decode']:<6.1f}")
     print(f"capture total {graphs.stats.capture_ms:.0f} ms, {graphs.stats.memory_mib:.1f} MiB; "
           f"validation failures: {graphs.failures or 'none'}")
 

@@ -21,8 +21,8 @@ import torch
 
 from engine import Engine, EngineConfig, SchedulerConfig, make_requests, serve
 from graphcap import CaptureConfig
+from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.runner import build_from_preset
 
 
 def main() -> None:

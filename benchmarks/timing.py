@@ -60,3 +60,28 @@ def graph_replay_us(calls: Sequence[Callable[[], None]], reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(calls))
     return statistics.median(times)
+
+
+def step_ms(runner, chunks: Sequence, iters: int) -> dict[str, float]:
+    """Median wall ms and CUDA-event span ms of ``runner.step(chunks)`` (the greedy tokens read
+    on the host), the chunks' requests rewound after each run so the same step runs again; 3
+    warm-up runs first. Uses only the runner API every release has (older checkouts too)."""
+    def once() -> None:
+        runner.step(chunks)
+        for ch in chunks:
+            runner.rewind_request(ch.seq_id, ch.start_pos)
+
+    for _ in range(3):
+        once()
+    walls, spans = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        once()
+        end.record()
+        end.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        spans.append(start.elapsed_time(end))
+    return dict(wall_ms=round(statistics.median(walls), 3), span_ms=round(statistics.median(spans), 3))

@@ -1,5 +1,5 @@
 """A model-agnostic serving loop over a runner protocol (``engine.protocol.StepRunner``):
-request queue, admission by sequence slots and KV pages, chunked prefill mixed with decode
+request queue, admission by block-table rows and KV pages, chunked prefill mixed with decode
 under a token budget, sampling, and host/GPU overlap."""
 
 from .engine import Engine, EngineConfig, EngineStats, StepRecord

@@ -23,7 +23,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from attention.metadata import TokenChunk, TokenFeed
+from steps import TokenChunk, TokenFeed
 
 from .protocol import StepRunner
 from .request import Request, RequestState, Status
@@ -139,9 +139,13 @@ class Engine:
         r, rid = self.runner, request.request_id
         if not request.prompt:
             return f"request {rid!r}: the prompt is empty; send at least one token"
-        bad = [t for t in request.prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < r.vocab_size]
+        bad = [t for t in request.prompt if not 0 <= t < r.vocab_size]
         if bad:
-            return f"request {rid!r}: prompt token {bad[0]!r} is not a token id in [0, {r.vocab_size})"
+            return f"request {rid!r}: prompt token {bad[0]} is outside the vocabulary [0, {r.vocab_size})"
+        bad = sorted(t for t in request.stop_token_ids if not 0 <= t < r.vocab_size)
+        if bad:
+            return (f"request {rid!r}: stop token id {bad[0]} is outside the vocabulary [0, {r.vocab_size}); "
+                    f"the model can never generate it")
         if request.max_len > r.max_seq_len:
             return (f"request {rid!r}: prompt {len(request.prompt)} + max_new_tokens {request.max_new_tokens} needs "
                     f"{request.max_len} positions but a sequence holds {r.max_seq_len}; shorten it or raise "
@@ -202,7 +206,7 @@ class Engine:
                     ids = (s.output[-1],)
             else:
                 ids = s.request.prompt[s.prefilled : s.prefilled + c.num_tokens]
-            token_chunks.append(TokenChunk(s.id, self.runner.num_tokens(s.id), ids))
+            token_chunks.append(TokenChunk(s.id, self.runner.num_written(s.id), ids))
             row += c.num_tokens
         feed = None
         if feed_rows:

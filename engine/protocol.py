@@ -1,4 +1,4 @@
-"""What the serving engine needs from a model runner (``models.minimax_m3.M3Runner`` has it).
+"""What the serving engine needs from a model runner (``models.runner.ModelRunner`` has it).
 
 The engine is model-agnostic: it schedules requests and samples tokens; a runner owns the
 model, the KV cache and graphcap. Every step goes through ``run_chunks``, which must not sync
@@ -11,7 +11,7 @@ from typing import Hashable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from attention.metadata import TokenChunk, TokenFeed
+from steps import TokenChunk, TokenFeed
 
 
 @runtime_checkable
@@ -55,7 +55,7 @@ class StepRunner(Protocol):
     def free_request(self, seq_id: Hashable) -> None:
         """Return the request's pages and row."""
 
-    def num_tokens(self, seq_id: Hashable) -> int:
+    def num_written(self, seq_id: Hashable) -> int:
         """Positions written for the request (its next chunk's ``start_pos``)."""
 
     def check(self, chunks: Sequence[TokenChunk]) -> None:

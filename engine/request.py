@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from graphcap.config import is_int
+from common.values import as_int, integer_items
 
 from .sampling import SamplingParams
 
@@ -33,11 +33,16 @@ class Request:
     arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt", tuple(self.prompt))
-        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"request {self.request_id!r}: max_new_tokens must be an int >= 1, "
-                             f"got {self.max_new_tokens!r}")
+        # Token ids and counts from NumPy arrays or tensors are integers to a user: accepted and
+        # stored as Python ints; floats and bools are refused, never truncated.
+        rid = self.request_id
+        object.__setattr__(self, "prompt", integer_items(f"request {rid!r}: prompt", self.prompt, "integer token id"))
+        stop = integer_items(f"request {rid!r}: stop_token_ids", self.stop_token_ids, "integer token id")
+        object.__setattr__(self, "stop_token_ids", frozenset(stop))
+        n = as_int(self.max_new_tokens)
+        if n is None or n < 1:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        object.__setattr__(self, "max_new_tokens", n)
         if not isinstance(self.arrival_s, (int, float)) or not math.isfinite(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"request {self.request_id!r}: arrival_s must be a finite number >= 0, "
                              f"got {self.arrival_s!r}")

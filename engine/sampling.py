@@ -7,12 +7,13 @@ filtered) is taken from the host-side ``SamplingParams``, never from tensor valu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from common.values import as_float, as_int
 
 _MASK64 = (1 << 64) - 1
 
@@ -35,19 +36,21 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
-        p = self.top_p
-        # `not (0 < p <= 1)` also refuses NaN, which fails every comparison.
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= _MASK64):
-            raise ValueError(f"seed must be None or an int in [0, 2**64), got {s!r}")
+        # NumPy and torch scalars are numbers to a user: accepted, stored as Python numbers.
+        t = as_float(self.temperature)
+        if t is None or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        k = as_int(self.top_k)
+        if k is None or k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        p = as_float(self.top_p)
+        if p is None or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        s = self.seed if self.seed is None else as_int(self.seed)
+        if self.seed is not None and (s is None or not 0 <= s <= _MASK64):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        for name, value in (("temperature", t), ("top_k", k), ("top_p", p), ("seed", s)):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

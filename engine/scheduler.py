@@ -1,6 +1,6 @@
 """Which requests run in the next step: admission and the token budget.
 
-Admission is bounded by two things the cache has: sequence slots (a step holds at most
+Admission is bounded by two things the cache has: block-table rows (a step holds at most
 ``max_running`` generating requests, and the cache at most ``max_live_requests`` rows, which
 also counts finished requests whose last step is still in flight: the headroom rule of
 ``kvcache.paged``), and KV pages. A request is admitted only when the pages of its whole
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from graphcap.config import is_int
+from common.values import is_int
 
 from .request import RequestState, Status
 

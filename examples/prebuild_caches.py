@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from graphcap import CaptureConfig, jit_cache
+from graphcap import CaptureConfig
+from graphcap.startup import jit_cache
+from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.runner import build_from_preset
 
 
 def layers_covering_every_kind(config: MiniMaxM3Config) -> int:
@@ -50,7 +51,7 @@ def main() -> None:
     t0 = time.perf_counter()
     runner = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=args.max_tokens,
                                max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
-                               capture=CaptureConfig(enabled=True, max_tokens=args.max_tokens))
+                               capture=CaptureConfig.from_env(CaptureConfig(enabled=True, max_tokens=args.max_tokens)))
     runner.capture()
     s = runner.manager.stats
     print(f"prebuilt {args.preset} ({config.num_hidden_layers} layers, {len(s.buckets)} graphs) into {root} in "

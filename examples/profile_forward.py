@@ -27,13 +27,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from attention.metadata import TokenChunk
 from distributed import group_for_tp
 from graphcap import CaptureConfig
 from graphcap.report import coverage_table, kernel_table, measure_coverage, stats_table
-from graphcap.validation import relative_error
+from graphcap.verify.compare import relative_error
+from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.runner import M3Runner, build_from_preset
+from models.runner import ModelRunner
+from steps import TokenChunk
 
 
 def timed(fn: Callable[[], object], iters: int, cuda: bool) -> float:
@@ -49,7 +50,7 @@ def timed(fn: Callable[[], object], iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def run_again(runner: M3Runner, chunks: list[TokenChunk], all_logits: bool = False):
+def run_again(runner: ModelRunner, chunks: list[TokenChunk], all_logits: bool = False):
     """Run ``chunks`` and rewind their requests, so the same step can run again (any runner
     over the same cache sees the same state)."""
     out = runner.step(chunks, all_logits=all_logits)
@@ -88,7 +89,9 @@ def main() -> None:
     max_seqs = max(sizes) + 1  # + the prefilling request of the mixed step
     ceiling = max(max(sizes) + args.chunk, args.chunk)
     buckets = tuple(sorted({*sizes, ceiling}))
-    graphs = CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets, debug_eager=not cuda)
+    # The graphed runner's settings honour GRAPHCAP_* variables (GRAPHCAP_MODE, GRAPHCAP_VALIDATE, ...).
+    graphs = CaptureConfig.from_env(CaptureConfig(enabled=True, max_tokens=ceiling, buckets=buckets,
+                                                  debug_eager=not cuda))
     graphed = build_from_preset(
         config, device, dtype, backend="auto", max_tokens=max(ceiling, args.prefill_chunk), max_seqs=max_seqs,
         max_seq_len=args.context + args.chunk + 8, producer=args.producer, capture=graphs, group=group,
@@ -171,8 +174,8 @@ def main() -> None:
                 backend=graphed.backend.describe(), ops=graphed.model.ops.name,
                 context=args.context, chunk=args.chunk, rows=rows, coverage=coverage, capture_and_validate_s=capture_s,
                 validation_failures={str(k): v for k, v in failures.items()},
-                buckets={f"{b}{'/whole' if full else ''}": vars(s)
-                         for (b, full), s in graphed.manager.stats.buckets.items()},
+                graphs={str(key): {k: v for k, v in vars(s).items() if k != "key"}
+                        for key, s in graphed.manager.stats.buckets.items()},
             ), f, indent=2)
     worst = max(r["rel_err"] for rank_rows in every_rank for r in rank_rows)
     for runner in (graphed, eager, padded):

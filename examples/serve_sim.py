@@ -22,10 +22,13 @@ padded debug-eager path, so CPU figures show the wiring, not speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
 import time
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -36,8 +39,9 @@ from distributed import group_for_tp
 from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig, make_requests, serve, summarize
 from graphcap import CaptureConfig
 from graphcap.config import MODES
+from models.minimax_m3 import build_from_checkpoint, build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.runner import M3Runner, build_from_checkpoint, build_from_preset
+from models.runner import ModelRunner
 
 # Small defaults for the tiny preset (a CPU run in well under a minute); the issue's serving
 # test for every other preset.
@@ -46,11 +50,41 @@ DEFAULTS = {"tiny": dict(requests=24, concurrency=6, prompt_len="16:96", output_
 
 
 def span(text: str) -> tuple[int, int]:
+    """``LO:HI`` (or ``N``) token counts, 1 <= LO <= HI; an argparse type."""
     lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
+    try:
+        out = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI token counts (e.g. 800:3200)") from None
+    if not 1 <= out[0] <= out[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LO <= HI")
+    return out
 
 
-def bucket_figures(runner: M3Runner, before: dict) -> dict:
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}")
+        return v
+
+    return parse
+
+
+positive = at_least(1)
+
+
+def audit_list(text: str) -> list[int]:
+    """``N`` or ``N1,N2,...`` (each >= 0); an argparse type."""
+    return [at_least(0)(x) for x in text.split(",") if x.strip()] or [0]
+
+
+def bucket_figures(runner: ModelRunner, before: dict) -> dict:
     """Graph hits and padding of this run (the warm-up's subtracted), and graph memory."""
     st = runner.manager.stats
     hits = real = padded = 0
@@ -60,17 +94,24 @@ def bucket_figures(runner: M3Runner, before: dict) -> dict:
         dh, dr, dp = b.hits - h0, b.real_tokens - r0, b.padded_tokens - p0
         hits, real, padded = hits + dh, real + dr, padded + dp
         if dh:
-            per_bucket[f"{key[0]}{'w' if key[1] else 's'}"] = dh
+            per_bucket[str(key)] = dh
     return {"graph_hits": hits, "padding_pct": 100 * padded / max(1, real + padded), "hits_by_bucket": per_bucket,
-            "graphs": sum(1 for b in st.buckets.values() if b.status == "captured"), "pool_mib": st.pool_mib}
+            "graphs": sum(1 for b in st.buckets.values() if b.status == "captured"), "pool_mib": st.pool_mib,
+            "audits": st.audits, "audit_ms": 1e3 * st.audit_s, "audit_mismatches": st.audit_mismatches,
+            "audit_findings": [f.describe() for f in st.audit_findings],
+            "dropped": sorted(str(k) for k, b in st.buckets.items() if b.status == "dropped")}
 
 
-def hits_snapshot(runner: M3Runner) -> dict:
+def hits_snapshot(runner: ModelRunner) -> dict:
     return {k: (b.hits, b.real_tokens, b.padded_tokens) for k, b in runner.manager.stats.buckets.items()}
 
 
-def run_mode(base: M3Runner, mode: str, args, requests, warmup, cuda: bool, console: Console, trace: bool) -> dict:
-    cap = CaptureConfig(mode=mode, max_tokens=base.max_tokens, debug_eager=not cuda and mode != "none")
+def run_mode(base: ModelRunner, mode: str, audit_every: int, env: CaptureConfig, args, requests, warmup,
+             cuda: bool, console: Console, trace: bool) -> dict:
+    """Serve the warm-up list, then the measured list, with capture mode ``mode`` auditing one
+    graph step in ``audit_every`` (the other capture settings from ``env``: ``GRAPHCAP_*``)."""
+    cap = dataclasses.replace(env, enabled=False, mode=mode, debug_eager=not cuda and mode != "none",
+                              audit_every=audit_every)
     runner = base.with_capture(cap)
     t0 = time.perf_counter()
     runner.capture()
@@ -106,7 +147,9 @@ def run_mode(base: M3Runner, mode: str, args, requests, warmup, cuda: bool, cons
         profiler.stop()
         profiler.export_chrome_trace(args.trace)
     runner.manager.release()  # before the figures: every rank frees its graphs at the same point
-    out = {"mode": mode, "capture_s": capture_s, **summarize(engine, wall), **bucket_figures(runner, before)}
+    label = mode if not audit_every else f"{mode}+audit{audit_every}"
+    out = {"mode": label, "audit_every": audit_every, "capture_s": capture_s, **summarize(engine, wall),
+           **bucket_figures(runner, before)}
     if cuda:
         out["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     out["per_user"] = sorted((len(s.output) - 1) / (s.t_done - s.t_first) for s in engine.states.values()
@@ -152,11 +195,21 @@ def table(results: list[dict]) -> Table:
     if "peak_mib" in results[0]:
         row("peak MiB", "peak_mib", ".0f")
     row("capture s", "capture_s", ".1f")
-    row("finished / failed", "finished", "d")
+    t.add_row("finished / failed", *[f"{r['finished']} / {r['failed']}" for r in results])
+    if any(r["audit_every"] for r in results):
+        t.add_row("audits (ms) / mismatches", *[f"{r['audits']} ({r['audit_ms']:.0f}) / {r['audit_mismatches']}"
+                                                 for r in results])
+        t.add_row("ms per audit", *[f"{r['audit_ms'] / r['audits']:.1f}" if r["audits"] else "-" for r in results])
+        t.add_row("dropped graphs", *[", ".join(r["dropped"]) or "-" for r in results])
     return t
 
 
-def plot(results: list[dict], path: str) -> bool:
+def plot_title(workload: str, cuda: bool) -> str:
+    """The PNG's title: the workload, and on CPU the caveat that the figures show wiring."""
+    return workload if cuda else f"{workload}\nCPU: debug-eager, the wiring, not speed"
+
+
+def plot(results: list[dict], path: str, title: str) -> bool:
     try:
         import matplotlib
 
@@ -166,10 +219,11 @@ def plot(results: list[dict], path: str) -> bool:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["mode"] for r in results]
-    for ax, key, title in ((a, "per_user", "per-user output tok/s"), (b, "ttft", "TTFT (s)")):
+    for ax, key, label in ((a, "per_user", "per-user output tok/s"), (b, "ttft", "TTFT (s)")):
         ax.boxplot([r[key] for r in results])
         ax.set_xticks(range(1, len(names) + 1), names)
-        ax.set_title(title)
+        ax.set_title(label)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -181,14 +235,20 @@ def main() -> None:
     p.add_argument("--checkpoint", default=None, help="a Hugging Face folder instead of a preset")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--modes", default="none,decode,full_and_piecewise", help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in the system")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated, of {', '.join(MODES)} (default: none,decode,full_and_piecewise; with "
+                        f"GRAPHCAP_MODE or GRAPHCAP_ENABLED set: decode and that mode)")
+    p.add_argument("--requests", type=positive, default=None)
+    p.add_argument("--concurrency", type=positive, default=None, help="closed loop: requests in the system")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    p.add_argument("--prompt-len", default=None, help="LO:HI tokens, uniform")
-    p.add_argument("--output-len", default=None, help="LO:HI tokens, uniform")
-    p.add_argument("--chunk", type=int, default=None, help="most prompt tokens of one request per step")
-    p.add_argument("--token-budget", type=int, default=None, help="tokens per step (default: chunk + concurrency)")
+    p.add_argument("--prompt-len", type=span, default=None, help="LO:HI tokens, uniform")
+    p.add_argument("--output-len", type=span, default=None, help="LO:HI tokens, uniform")
+    p.add_argument("--chunk", type=positive, default=None, help="most prompt tokens of one request per step")
+    p.add_argument("--token-budget", type=positive, default=None,
+                   help="tokens per step (default: chunk + concurrency)")
+    p.add_argument("--audit-every", type=audit_list, default=None,
+                   help="audit one graph step in N against the padded eager path (0: off; GRAPHCAP_AUDIT_EVERY); "
+                        "a comma list (0,10,1000) runs every capturing mode once per value, side by side")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -204,12 +264,20 @@ def main() -> None:
     d = DEFAULTS["tiny" if args.preset == "tiny" and not args.checkpoint else "other"]
     for k, v in d.items():
         if getattr(args, k) is None:
-            setattr(args, k, v)
+            setattr(args, k, span(v) if k in ("prompt_len", "output_len") else v)
+    try:  # the one flag and every other GRAPHCAP_* setting, for every capturing mode
+        env = CaptureConfig.from_env(CaptureConfig(max_tokens=args.token_budget or args.chunk + args.concurrency))
+    except ValueError as e:
+        sys.exit(f"environment: {e}")
+    audits = args.audit_every if args.audit_every is not None else [env.audit_every]  # the command line wins
+    if args.modes is None:
+        chosen = {"GRAPHCAP_MODE", "GRAPHCAP_ENABLED"} & set(os.environ)
+        args.modes = ",".join(dict.fromkeys(["decode", env.graph_mode])) if chosen else "none,decode,full_and_piecewise"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
         sys.exit(f"--modes: {bad} are not modes; pick from {', '.join(MODES)}")
-    prompt_len, output_len = span(args.prompt_len), span(args.output_len)
+    prompt_len, output_len = args.prompt_len, args.output_len
     args.token_budget = args.token_budget or args.chunk + args.concurrency
     if args.tp is not None and args.tp > 1 and args.rate:
         sys.exit("--rate with --tp > 1: open-loop arrivals follow each rank's clock, so ranks would build different "
@@ -229,9 +297,9 @@ def main() -> None:
         base = build_from_preset(config.first_layers(args.layers) if args.layers else config, **kw)
     # Kernel choices for every bucket size of the fullest mode, before any mode runs: every
     # mode's eager and graphed steps of one size then run the same kernels.
-    sizes = {b for b, _ in base.with_capture(CaptureConfig(enabled=True, max_tokens=base.max_tokens)).manager.keys()}
+    sizes = {k.rows for k in base.with_capture(dataclasses.replace(env, enabled=True, mode=None)).manager.keys()}
     for rows in sorted(sizes):
-        base.model.ops.prepare(base.model, rows)
+        base.model.ops.choose_kernels(base.model, rows)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     requests = make_requests(args.requests, prompt_len, output_len, base.vocab_size, seed=args.seed,
                              sampling=sampling, rate=args.rate)
@@ -243,13 +311,15 @@ def main() -> None:
     console.print(f"{args.checkpoint or args.preset} ({layers} layers) on {args.device}: {args.requests} requests, "
                   + (f"Poisson {args.rate}/s" if args.rate else f"concurrency {args.concurrency}")
                   + f", prompts {prompt_len}, outputs {output_len}, chunk {args.chunk}, budget {args.token_budget}, "
-                  + f"overlap {'off' if args.no_overlap else 'on'}" + (f", TP{args.tp}/EP{args.tp}" if group else ""))
+                  + f"overlap {'off' if args.no_overlap else 'on'}" + (f", TP{args.tp}/EP{args.tp}" if group else "")
+                  + (f", audits 1 graph step in {'/'.join(map(str, audits))}" if any(audits) else ""))
+    runs = [(mode, n) for mode in modes for n in (audits if mode != "none" else [0])]
     results = []
-    for i, mode in enumerate(modes):
-        results.append(run_mode(base, mode, args, requests, warmup, cuda, console,
-                                trace=bool(args.trace) and i == len(modes) - 1 and rank == 0))
+    for i, (mode, n) in enumerate(runs):
+        results.append(run_mode(base, mode, n, env, args, requests, warmup, cuda, console,
+                                trace=bool(args.trace) and i == len(runs) - 1 and rank == 0))
         r = results[-1]
-        console.print(f"{mode}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 {r['ttft_s_p50']:.3f} s, "
+        console.print(f"{r['mode']}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 {r['ttft_s_p50']:.3f} s, "
                       f"{r['steps']} steps in {r['wall_s']:.1f} s")
     console.print(table(results))
     base.destroy()
@@ -261,7 +331,9 @@ def main() -> None:
         meta = dict(vars(args), layers=layers, gpu=torch.cuda.get_device_name() if cuda else None)
         with open(args.json, "w") as f:
             json.dump({"args": meta, "results": results}, f, indent=1)
-    if args.plot and not plot(results, args.plot):
+    title = plot_title(f"{args.checkpoint or args.preset} ({layers} layers), {args.requests} requests, "
+                       + (f"Poisson {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"), cuda)
+    if args.plot and not plot(results, args.plot, title):
         console.print("--plot: matplotlib is not installed; no plot written")
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+from typing import Mapping
+
+from common.values import int_tuple, is_int
 
 # GRAPHCAP_* variables that are not CaptureConfig fields (read elsewhere), so from_env does
 # not warn about them.
@@ -14,26 +16,6 @@ OTHER_ENV_VARS = frozenset({"GRAPHCAP_CACHE_DIR"})
 
 # What a config captures (``CaptureConfig.mode``), from nothing to everything.
 MODES = ("none", "decode", "piecewise", "full_and_piecewise")
-
-
-def is_int(value: object) -> bool:
-    """An int that is not a bool (``True`` is an ``int`` to Python, never a size to us)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def int_tuple(name: str, value: object) -> tuple[int, ...]:
-    """Any iterable of ints (tuple, list, range, generator) as a tuple.
-
-    Raises:
-        ValueError: a string, a non-iterable, or an element that is not an int, naming ``name``.
-    """
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ValueError(f"{name} must be an iterable of ints, got {value!r}")
-    out = tuple(value)
-    bad = [x for x in out if not is_int(x)]
-    if bad:
-        raise ValueError(f"{name} must hold ints, got {bad[0]!r} in {out!r}")
-    return out
 
 
 @dataclass(frozen=True)
@@ -45,39 +27,46 @@ class CaptureConfig:
     then ignored; ``graph_mode`` is the resolved value every part of graphcap reads):
 
     - ``none``: every step eager (the same code path, unpadded);
-    - ``decode``: whole graphs for uniform decode steps only; every other step eager (the
+    - ``decode``: decode graphs for uniform decode steps only; every other step eager (the
       baseline serving stacks had before producer graphs);
-    - ``piecewise``: segmented graphs (producers captured, attention eager between segments)
-      for every bucket, decode steps included;
-    - ``full_and_piecewise``: whole graphs for uniform decode steps whose splices are
-      graph-safe, segmented graphs for the other steps.
+    - ``piecewise``: piecewise graphs (producers captured, attention eager between the
+      pieces) for every bucket, decode steps included;
+    - ``full_and_piecewise``: decode graphs (vLLM's "full" graphs: the whole forward) for
+      uniform decode steps whose splices are graph-safe, piecewise graphs for the other steps.
 
     Attributes:
         enabled: shorthand: True means ``mode="full_and_piecewise"`` when ``mode`` is not given.
         mode: one of ``MODES`` (see above); ``None`` takes it from ``enabled``.
         max_tokens: the capture ceiling; steps with more tokens run eagerly and are counted.
-        buckets: segmented-graph buckets (token counts; any iterable of ints, stored as a sorted
+        buckets: piecewise-graph buckets (token counts; any iterable of ints, stored as a sorted
             unique tuple, last <= max_tokens). ``None`` derives them (``graphcap.buckets``): the
-            default geometric buckets above the largest whole decode graph, since uniform decode
-            steps of that size replay whole graphs and the rare small mixed step pads up.
-        decode_buckets: whole-decode-graph buckets (one token per request, so each <= the
-            request capacity). ``None``: the explicit ``buckets`` up to the request capacity,
-            or the default geometric buckets up to it.
+            default geometric buckets above the largest decode graph, since uniform decode
+            steps of that size replay decode graphs and the rare small mixed step pads up.
+        decode_buckets: decode-graph buckets (one token per request, so each <= the request
+            capacity). ``None``: the explicit ``buckets`` up to the request capacity, or the
+            default geometric buckets up to it.
         validate: compare graph replay with eager per bucket after capture; failing buckets are
             dropped (run eagerly) and reported.
         debug_eager: run every step eagerly through the same padded segment/splice path (no
             graphs); this is what CPU machines exercise.
         detect_frozen: with ``validate``, also capture every bucket a second time on other dummy
-            data and compare the two captures' kernel nodes (``graphcap.frozen``); a parameter
+            data and compare the two captures' kernel nodes (``graphcap.verify.frozen``); a parameter
             that differs is a host value frozen into the graph and drops the bucket.
         warmup_steps: eager runs per graph before capture (allocator and lazy-init warm-up; JIT
-            builds and kernel tuning run before them, in the ``before_capture`` hook).
+            builds and kernel tuning run before them, in the capture source's ``prebuild``).
         recapture_on_invalidation: when registered storage moves, recapture into a fresh pool;
             False raises instead.
         guard_producers: check producer code for host syncs and CPU-tensor reads during warm-up,
             capture and debug-eager runs (``graphcap.guard``). Turn it off only for producers the
             guard would disable: ``torch.compile``d code runs eagerly, op by op, under any
             dispatch mode. Step-metadata reads from producer code are refused either way.
+        audit_every: while serving, one graph step in ``audit_every`` (0: never) runs again
+            through the padded eager path of the same padding decision before its output is
+            returned; outputs must agree bit for bit (``graphcap.verify.audit``). A mismatch drops
+            the graph (its steps run eagerly from then on), is counted and reported, and the
+            step returns the eager result.
+        audit_seed: which step of each window of ``audit_every`` is audited comes from a
+            generator seeded with this, so a run's audits are reproducible.
     """
 
     enabled: bool = False
@@ -91,6 +80,8 @@ class CaptureConfig:
     warmup_steps: int = 1
     recapture_on_invalidation: bool = True
     guard_producers: bool = True
+    audit_every: int = 0
+    audit_seed: int = 0
 
     def __post_init__(self) -> None:
         for f in ("enabled", "validate", "detect_frozen", "debug_eager",
@@ -106,6 +97,10 @@ class CaptureConfig:
                              "eagerly, or pick a capturing mode")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"CaptureConfig.max_tokens must be a positive int, got {self.max_tokens!r}")
+        for name in ("audit_every", "audit_seed"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"CaptureConfig.{name} must be an int >= 0 (audit_every=0: no audits), "
+                                 f"got {getattr(self, name)!r}")
         if not is_int(self.warmup_steps) or self.warmup_steps < 1:
             raise ValueError(
                 f"CaptureConfig.warmup_steps must be an int >= 1 (every graph runs eagerly before its "
@@ -129,13 +124,13 @@ class CaptureConfig:
         return self.graph_mode != "none"
 
     @property
-    def whole_decode_graphs(self) -> bool:
-        """Whether uniform decode steps get whole graphs."""
+    def decode_graphs(self) -> bool:
+        """Whether uniform decode steps get decode graphs."""
         return self.graph_mode in ("decode", "full_and_piecewise")
 
     @property
-    def segmented_graphs(self) -> bool:
-        """Whether steps other than whole-graph decodes get segmented graphs."""
+    def piecewise_graphs(self) -> bool:
+        """Whether steps other than decode-graph decodes get piecewise graphs."""
         return self.graph_mode in ("piecewise", "full_and_piecewise")
 
     def _check_buckets(self, name: str, value: object) -> tuple[int, ...]:
@@ -154,50 +149,72 @@ class CaptureConfig:
         return b
 
     @classmethod
-    def from_env(cls, base: "CaptureConfig | None" = None) -> "CaptureConfig":
+    def from_env(cls, base: "CaptureConfig | None" = None,
+                 environ: Mapping[str, str] | None = None) -> "CaptureConfig":
         """Override fields from ``GRAPHCAP_<FIELD>`` variables (e.g. ``GRAPHCAP_ENABLED=1``,
-        ``GRAPHCAP_BUCKETS=1,2,4,8``). Read when called, never at import.
+        ``GRAPHCAP_BUCKETS=1,2,4,8``, ``GRAPHCAP_AUDIT_EVERY=1000``). Read when called, never at
+        import; ``environ`` defaults to ``os.environ``.
 
         Raises:
-            ValueError: a value that does not parse, naming the variable.
+            ValueError: a value that does not parse, or one that parses but is out of range,
+                naming the variable.
         Warns:
-            UserWarning: a ``GRAPHCAP_*`` variable that is no field, naming the closest one.
+            UserWarning: a ``GRAPHCAP_*`` variable that is no field (any case: variable names
+                are upper case), naming the closest one.
         """
+        env = os.environ if environ is None else environ
         base = base or cls()
         names = {f"GRAPHCAP_{f.name.upper()}": f.name for f in fields(cls)}
-        for var in sorted(os.environ):
-            if var.startswith("GRAPHCAP_") and var not in names and var not in OTHER_ENV_VARS:
-                close = difflib.get_close_matches(var, [*names, *OTHER_ENV_VARS], n=1)
-                hint = f"; did you mean {close[0]}?" if close else ""
+        known = [*names, *OTHER_ENV_VARS]
+        for var in sorted(env):
+            if var.upper().startswith("GRAPHCAP_") and var not in names and var not in OTHER_ENV_VARS:
+                if var.upper() in known:
+                    hint = f"; variable names are upper case: {var.upper()}"
+                else:
+                    close = difflib.get_close_matches(var.upper(), known, n=1)
+                    hint = f"; did you mean {close[0]}?" if close else ""
                 warnings.warn(f"{var} is not a graphcap setting and is ignored{hint}", stacklevel=2)
-        updates: dict[str, object] = {}
-        for var, name in names.items():
-            raw = os.environ.get(var)
-            if raw is None:
-                continue
-            current = getattr(base, name)
-            try:
-                if name in ("buckets", "decode_buckets"):
-                    updates[name] = tuple(int(x) for x in raw.split(",") if x.strip()) or None
-                elif name == "mode":
-                    updates[name] = raw.strip() or None
-                elif isinstance(current, bool):
-                    if raw.strip().lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                        raise ValueError(raw)
-                    updates[name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                else:
-                    updates[name] = int(raw)
-            except ValueError:
-                if name in ("buckets", "decode_buckets"):
-                    what = "not a comma-separated list of ints"
-                elif name == "mode":
-                    updates[name] = raw.strip() or None
-                elif isinstance(current, bool):
-                    what = "not a boolean (use 1/0, true/false, yes/no, on/off)"
-                else:
-                    what = "not an int"
-                raise ValueError(f"{var}={raw!r} is {what}") from None
+        given = {var: name for var, name in names.items() if var in env}
+        updates = {name: _parse_env(var, env[var], getattr(base, name)) for var, name in given.items()}
         try:
             return replace(base, **updates)
         except ValueError as e:
-            raise ValueError(f"{e} (set through GRAPHCAP_* environment variables)") from None
+            # Name the variable whose value alone is refused; else every variable set (the
+            # values disagree with each other, e.g. buckets above max_tokens).
+            culprits = [var for var, name in given.items() if not _accepted(base, name, updates[name])]
+            shown = ", ".join(f"{var}={env[var]!r}" for var in (culprits or given))
+            raise ValueError(f"{e} (set through the environment: {shown})") from None
+
+
+def _parse_env(var: str, raw: str, current: object) -> object:
+    """The value of ``GRAPHCAP_*`` variable ``var`` for a field whose current value is ``current``.
+
+    Raises:
+        ValueError: naming the variable and what it should look like.
+    """
+    text = raw.strip()
+    name = var.removeprefix("GRAPHCAP_").lower()
+    if name in ("buckets", "decode_buckets"):
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip()) or None
+        except ValueError:
+            raise ValueError(f"{var}={raw!r} is not a comma-separated list of ints") from None
+    if name == "mode":
+        return text or None
+    if isinstance(current, bool):
+        if text.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError(f"{var}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+        return text.lower() in ("1", "true", "yes", "on")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not an int") from None
+
+
+def _accepted(base: CaptureConfig, name: str, value: object) -> bool:
+    """Whether ``base`` with only ``name`` changed to ``value`` is a valid config."""
+    try:
+        replace(base, **{name: value})
+    except ValueError:
+        return False
+    return True

@@ -3,7 +3,7 @@
 Every rank replays the same graphs in the same order, and a graph holds collectives: if one
 rank dropped a bucket that another replays, their collectives would no longer pair up and both
 would hang. So every decision that removes a graph (a capture that failed, splices not
-graph-safe for a whole decode graph, a failed validation, a frozen host value) is taken as the
+graph-safe for a decode graph, a failed validation, a frozen host value) is taken as the
 union over the ranks, and the bucket lists must be equal before anything is captured.
 
 graphcap stays free of ``torch.distributed``: the caller passes ``gather(obj) -> [obj of rank

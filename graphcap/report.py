@@ -1,13 +1,15 @@
-"""Reports: per-bucket stats and measured coverage (kernels in graphs vs eager), with rich."""
+"""Reports: per-graph stats and measured coverage (kernels in graphs vs eager), with rich."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from rich.console import Console
@@ -68,6 +70,21 @@ class Coverage:
         }
 
 
+@contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """Native code's writes to file descriptor 2 go to /dev/null within the block (Python's own
+    errors still propagate as exceptions)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _site(ts: float, ranges: list[tuple[float, float, str]]) -> str:
     for start, end, name in ranges:
         if start <= ts <= end:
@@ -85,10 +102,16 @@ def measure_coverage(manager: Any, step: Step, layers: int | None = None) -> Cov
     cuda = manager.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     manager.run(step)  # keep first-use costs out of the profile
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    with _native_stderr_quiet():  # kineto logs "USDT: ... profiler_start" lines on fd 2
+        prof.start()
+    try:
         manager.run(step)
         if cuda:
             torch.cuda.synchronize()
+    finally:
+        with _native_stderr_quiet():
+            prof.stop()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -136,21 +159,26 @@ def measure_coverage(manager: Any, step: Step, layers: int | None = None) -> Cov
 
 
 def stats_table(manager: Any) -> Table:
-    """Per-bucket stats as a rich table."""
-    table = Table(title="graphcap buckets")
-    for col in ("bucket", "graph", "status", "hits", "padding", "segments", "splices", "capture ms", "MiB", "note"):
-        table.add_column(col, justify="right" if col not in ("graph", "status", "note") else "left")
-    for (bucket, full), s in sorted(manager.stats.buckets.items()):
+    """Per-graph stats as a rich table; the caption counts eager steps by cause, invalidations,
+    capture cost and audits (``CaptureConfig.audit_every``), and names every audit finding."""
+    table = Table(title="graphcap graphs")
+    for col in ("rows", "graph", "status", "hits", "padding", "segments", "splices", "audits", "capture ms", "MiB",
+                "note"):
+        table.add_column(col, justify="right" if col not in ("graph", "status", "note") else "left",
+                         overflow="fold" if col == "note" else "ellipsis")
+    for key, s in sorted(manager.stats.buckets.items()):
         table.add_row(
-            str(bucket), "whole" if full else "segmented", s.status, str(s.hits), f"{100 * s.padding_waste:.0f}%",
-            str(s.segments), str(s.splices), f"{s.capture_ms:.1f}", f"{s.memory_mib:.1f}", s.reason[:60],
+            str(key.rows), key.kind, s.status, str(s.hits), f"{100 * s.padding_waste:.0f}%", str(s.segments),
+            str(s.splices), str(s.audits), f"{s.capture_ms:.1f}", f"{s.memory_mib:.1f}", s.reason,
         )
     st = manager.stats
-    table.caption = (
-        f"eager by mode {st.eager_steps} | above ceiling {st.fallbacks} | dropped-bucket fallbacks "
+    caption = (
+        f"eager by mode {st.eager_steps} | above ceiling {st.fallbacks} | dropped-graph fallbacks "
         f"{st.dropped_fallbacks} | invalidations {st.invalidations} | recaptures {st.recaptures} | "
-        f"capture {st.capture_ms:.0f} ms, {st.memory_mib:.1f} MiB"
+        f"capture {st.capture_ms:.0f} ms, {st.memory_mib:.1f} MiB | audits {st.audits} "
+        f"({st.audit_s * 1e3:.0f} ms), mismatches {st.audit_mismatches}"
     )
+    table.caption = "\n".join([caption, *(f"audit: {f.describe()}" for f in st.audit_findings)])
     return table
 
 
@@ -171,7 +199,11 @@ def coverage_table(cov: Coverage, per_site: int = 8) -> Table:
         if len(names) > per_site:
             rest = sum(names.values()) - sum(c for _, c in names.most_common(per_site))
             table.add_row(f"  {site}: {len(names) - per_site} more names", str(rest), "")
-    table.caption = f"{100 * cov.fraction_in_graphs:.1f}% of {cov.unit} in graphs"
+    if cov.unit == "kernels":
+        table.caption = f"{100 * cov.fraction_in_graphs:.1f}% of kernels in graphs"
+    else:  # CPU: nothing is captured; producer segments are what a GPU run would capture
+        table.caption = (f"{100 * cov.fraction_in_graphs:.1f}% of aten ops in producer segments "
+                         f"(CPU, debug-eager: no graphs; a GPU run captures these)")
     return table
 
 
@@ -197,7 +229,7 @@ def kernel_table(cov: Coverage, top: int = 25) -> Table:
 
 
 def choices_table(choices: Mapping[Any, Any]) -> Table:
-    """Validated kernel choices (``graphcap.tuning.KernelTuner.choices``): per op and shape, the
+    """Validated kernel choices (``graphcap.startup.tuning.KernelTuner.choices``): per op and shape, the
     chosen candidate, the passing ones' times and every rejected one with its reason."""
     table = Table(title="kernel choices (validated against the reference before use)")
     for col in ("op", "shape", "chosen", "passing (us)", "rejected"):

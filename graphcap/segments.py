@@ -1,4 +1,4 @@
-"""Breakable capture: one bucket's forward as graph segments with eager splices between.
+"""Breakable capture: one graph's forward as graph segments with eager splices between.
 
 While a forward is captured, each splice point ends the current CUDA graph segment, runs its
 op eagerly, and starts the next segment in the same memory pool. Replay runs the items in
@@ -6,7 +6,7 @@ the recorded order; each splice calls its op again with the tensors it received 
 (fixed addresses) and reads this step's metadata itself. Sharing one pool between segments
 and buckets is safe because items replay in capture order on one stream and never overlap.
 
-A whole-graph capture (uniform decode, every splice graph-safe) records one segment and lets
+A decode-graph capture (uniform decode, every splice graph-safe) records one segment and lets
 the splices be captured inside it.
 """
 
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._pytree import tree_map
 
-from .buckets import Padding
+from .buckets import GraphKey, Padding
 from .guard import CaptureGuard
 from .splice import SpliceOp, Step, call_splice, nvtx_range, step_context
 
@@ -55,10 +56,10 @@ class SpliceCall:
 
 @dataclass
 class BreakableGraph:
-    """One bucket's captured forward."""
+    """One graph's captured forward: segments and splices in execution order (a decode graph is
+    one segment with its splices inside)."""
 
-    bucket: int
-    full: bool
+    key: GraphKey
     items: list[GraphSegment | SpliceCall]
     output: Any
     capture_ms: float = 0.0
@@ -89,8 +90,8 @@ class BreakableGraph:
         return labels
 
     def segment_nodes(self) -> list[list[Any]]:
-        """Each segment's graph nodes (``graphcap.graph_nodes``); needs ``kept``."""
-        from .graph_nodes import graph_nodes
+        """Each segment's graph nodes (``graphcap.verify.graph_nodes``); needs ``kept``."""
+        from .verify.graph_nodes import graph_nodes
 
         if not self.kept:
             raise ValueError("the graph was captured without keep_graph; its nodes are gone")
@@ -104,7 +105,7 @@ class _Recorder:
         self.pool = pool
         self.keep_graph = keep_graph
         self.padding = padding
-        self.full = padding.whole_graph
+        self.decode = padding.decode_graph
         self.items: list[GraphSegment | SpliceCall] = []
         self._graph: torch.cuda.CUDAGraph | None = None
 
@@ -131,11 +132,11 @@ class _Recorder:
                 graph.capture_end()
 
     def on_splice(self, op: SpliceOp, fn: Callable[..., None], args: tuple, kwargs: dict) -> None:
-        if self.full:
+        if self.decode:
             if not op.graph_safe(args, self.padding):
                 raise RuntimeError(
-                    f"splice point {op.name!r} is not graph-safe for a whole decode graph of "
-                    f"{self.padding.rows} rows; a whole-graph capture cannot pass through it (declare "
+                    f"splice point {op.name!r} is not graph-safe for a decode graph of "
+                    f"{self.padding.rows} rows; a decode-graph capture cannot pass through it (declare "
                     f"graph_safe_decode only where it reads all per-request state from fixed device buffers)"
                 )
             return call_splice(op, fn, args, kwargs)
@@ -149,7 +150,7 @@ class _Recorder:
 class EagerDriver:
     """Splice driver for eager runs (warm-up, debug-eager, fallback): calls each op in order,
     with producer code under the guard when one is given, and records which ops were hit and
-    whether each is graph-safe for a whole decode graph of this padding."""
+    whether each is graph-safe for a decode graph of this padding."""
 
     def __init__(self, padding: Padding, guard: CaptureGuard | None = None) -> None:
         self.guard = guard
@@ -172,7 +173,7 @@ class EagerDriver:
 def run_eager(forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding,
               guard: CaptureGuard | None, capturing: bool | None = None) -> tuple[Any, EagerDriver]:
     """Run the forward eagerly through the splice path; returns its output and the driver
-    (splices hit, and those not graph-safe for a whole graph of ``padding``).
+    (splices hit, and those not graph-safe for a decode graph of ``padding``).
 
     ``capturing`` (default: a guard is given): producer code must not read the step (as in a
     capture), whether or not the guard checks its ops."""
@@ -188,8 +189,13 @@ def run_eager(forward: Forward, inputs: dict[str, torch.Tensor], step: Step, pad
     return out, driver
 
 
+def rows_of(out: Any, n: int) -> Any:
+    """The first ``n`` rows of every tensor in a forward's output (the real tokens)."""
+    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, out)
+
+
 @contextlib.contextmanager
-def frozen_gc() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """No garbage collection while capturing: a collection could free (and the allocator reuse)
     memory that a segment being recorded still points at, and it costs time per capture."""
     gc.collect()
@@ -204,18 +210,18 @@ def frozen_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-def capture_bucket(
+def capture_graph(
     forward: Forward, inputs: dict[str, torch.Tensor], step: Step, padding: Padding, pool: Any,
     stream: torch.cuda.Stream, keep_graph: bool = False,
 ) -> BreakableGraph:
-    """Capture one bucket's forward (``padding.rows`` rows; a whole graph if
-    ``padding.whole_graph``) on ``stream`` into ``pool``. Producer ops are not guarded here:
+    """Capture one graph's forward (``padding.rows`` rows; a decode graph if
+    ``padding.decode_graph``) on ``stream`` into ``pool``. Producer ops are not guarded here:
     the manager guards one warm-up run of the same shapes (``run_eager``), so they are
     checked once per bucket size; reading the step from producer code is refused still.
     ``keep_graph`` keeps each segment's ``cudaGraph_t`` for ``BreakableGraph.segment_nodes``.
 
     Raises:
-        RuntimeError: a whole-graph capture met a splice that is not graph-safe.
+        RuntimeError: a decode-graph capture met a splice that is not graph-safe.
     """
     recorder = _Recorder(pool, padding, keep_graph)
     torch.cuda.synchronize()
@@ -231,8 +237,7 @@ def capture_bucket(
             raise
     torch.cuda.synchronize()
     return BreakableGraph(
-        bucket=padding.rows,
-        full=padding.whole_graph,
+        key=GraphKey(padding.rows, padding.decode_graph),
         items=recorder.items,
         output=out,
         capture_ms=(time.perf_counter() - start) * 1e3,

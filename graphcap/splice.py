@@ -27,8 +27,9 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, TypeVar, Union
 
 import torch
 
+from common.values import is_int
+
 from .buckets import Padding
-from .config import is_int
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class SpliceOp:
     """What a splice point declares about itself.
 
     ``graph_safe_decode`` is a bool, or ``f(owner, padding) -> bool`` asked per bucket (``owner``
-    is the object whose method is the splice): an op may be graph-safe for some whole decode
+    is the object whose method is the splice): an op may be graph-safe for some decode
     graphs and not others (a backend with graph-mode state for a fixed set of batch sizes).
     """
 
@@ -82,7 +83,7 @@ class SpliceOp:
     graph_safe_decode: GraphSafety = False
 
     def graph_safe(self, args: tuple, padding: Padding) -> bool:
-        """Whether a whole decode graph of ``padding`` may capture this call."""
+        """Whether a decode graph of ``padding`` may capture this call."""
         safe = self.graph_safe_decode
         if callable(safe):
             if not args:
@@ -176,7 +177,7 @@ def current_step(what: str = "graphcap.current_step()", skip_frames: int = 0) ->
 
 
 def current_padding(what: str = "graphcap.current_padding()", skip_frames: int = 0) -> Padding:
-    """This step's padding decision (rows, request rows, whole graph); same rules as ``current_step``."""
+    """This step's padding decision (rows, request rows, decode graph); same rules as ``current_step``."""
     return _state(what, skip_frames).padding
 
 
@@ -187,7 +188,7 @@ def splice(name: str, *,
     Args:
         name: shown in errors, stats and NVTX ranges (e.g. ``"attention.sparse"``).
         graph_safe_decode: the op reads all per-request state from fixed-size device buffers
-            and launches grids fixed by shape for uniform decode steps, so whole decode graphs
+            and launches grids fixed by shape for uniform decode steps, so decode graphs
             may capture through it: a bool, or ``f(owner, padding) -> bool`` answered per
             bucket (see ``SpliceOp``).
     """

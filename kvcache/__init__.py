@@ -1,4 +1,4 @@
-"""Paged K/V and index-K caches: pages, block tables, sequence slots."""
+"""Paged K/V and index-K caches: pages, block tables, block-table rows."""
 
 from .paged import KVCacheConfig, PagedKVCache
 

@@ -1,15 +1,15 @@
-"""Paged K/V and index-K caches, block tables and sequence slots.
+"""Paged K/V and index-K caches, block tables (one row per live request) and page bookkeeping.
 
 One page holds ``page_size`` consecutive positions of one sequence; for MiniMax-M3 the page is
 the sparse block (128 tokens), so a selected logical block is exactly one page.
 
-Sequence slots and headroom: the block table has one row per live sequence. A step may hold
+Block-table rows and headroom: the block table has one row per live sequence. A step may hold
 ``max_seqs`` requests, but a request that finishes in a step keeps its row until the caller
 frees it after reading the step's outputs, while the scheduler may already admit its
 replacement into the next (or, with async scheduling, the same) step. So the table holds
-``max_seqs + seq_slot_headroom`` assignable rows (headroom defaults to ``max_seqs``: a whole
+``max_seqs + table_row_headroom`` assignable rows (headroom defaults to ``max_seqs``: a whole
 batch can finish and be replaced at once; a row costs only ``max_pages_per_seq`` int32s) plus
-one more row, ``pad_seq_slot``, that is never assigned and stays all ``-1``: padded metadata
+one more row, ``pad_table_row``, that is never assigned and stays all ``-1``: padded metadata
 rows point at it, so a graph replayed with padding reads an empty sequence.
 
 Capture reserve: graph capture, validation and recapture run dummy steps. Their block-table
@@ -30,7 +30,7 @@ from typing import Hashable
 
 import torch
 
-from graphcap.config import int_tuple, is_int
+from common.values import int_tuple, is_int
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class KVCacheConfig:
         dtype: main K/V storage dtype.
         index_dtype: index-K storage dtype.
         device: where the caches live.
-        seq_slot_headroom: extra assignable block-table rows beyond ``max_seqs``; ``None``
+        table_row_headroom: extra assignable block-table rows beyond ``max_seqs``; ``None``
             means ``max_seqs`` (see the module docstring).
         capture_rows, capture_pages: block-table rows and pages reserved for the dummy steps of
             capture and validation (see the module docstring); 0 when nothing is captured.
@@ -69,7 +69,7 @@ class KVCacheConfig:
     dtype: torch.dtype = torch.bfloat16
     index_dtype: torch.dtype = torch.bfloat16
     device: torch.device | str = "cpu"
-    seq_slot_headroom: int | None = None
+    table_row_headroom: int | None = None
     capture_rows: int = 0
     capture_pages: int = 0
 
@@ -93,9 +93,9 @@ class KVCacheConfig:
             object.__setattr__(self, "device", torch.device(self.device))
         except (RuntimeError, TypeError):
             raise ValueError(f"KVCacheConfig.device {self.device!r} is not a torch device") from None
-        if self.seq_slot_headroom is None:
-            object.__setattr__(self, "seq_slot_headroom", self.max_seqs)
-        for name in ("seq_slot_headroom", "capture_rows", "capture_pages"):
+        if self.table_row_headroom is None:
+            object.__setattr__(self, "table_row_headroom", self.max_seqs)
+        for name in ("table_row_headroom", "capture_rows", "capture_pages"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 raise ValueError(f"KVCacheConfig.{name} must be an int >= 0, got {v!r}")
@@ -103,10 +103,10 @@ class KVCacheConfig:
     @property
     def max_live_seqs(self) -> int:
         """Sequences that may hold a block-table row at once."""
-        return self.max_seqs + self.seq_slot_headroom  # type: ignore[operator]
+        return self.max_seqs + self.table_row_headroom  # type: ignore[operator]
 
     @property
-    def max_seq_slots(self) -> int:
+    def max_table_rows(self) -> int:
         """Block-table rows: the assignable ones, the capture rows and the pad row."""
         return self.max_live_seqs + self.capture_rows + 1
 
@@ -127,8 +127,8 @@ class PagedKVCache:
         k_cache, v_cache: ``[num_layers, total_pages, page_size, num_kv_heads, head_dim]``
             (``total_pages = num_pages + capture_pages``).
         index_k_cache: ``[num_sparse_layers, total_pages, page_size, index_dim]``.
-        block_tables: ``int32 [max_seq_slots, max_pages_per_seq]`` on the cache device, ``-1``
-            where unused; row ``pad_seq_slot`` is always all ``-1``.
+        block_tables: ``int32 [max_table_rows, max_pages_per_seq]`` on the cache device, ``-1``
+            where unused; row ``pad_table_row`` is always all ``-1``.
     """
 
     def __init__(self, config: KVCacheConfig) -> None:
@@ -148,8 +148,8 @@ class PagedKVCache:
         self.v_cache = self._v_store[:, :total]
         self.index_k_cache = self._ik_store[:, :total]
         self._sink_slot = total * c.page_size
-        self.block_tables = torch.full((c.max_seq_slots, c.max_pages_per_seq), -1, dtype=torch.int32, device=dev)
-        self.pad_seq_slot = c.max_seq_slots - 1
+        self.block_tables = torch.full((c.max_table_rows, c.max_pages_per_seq), -1, dtype=torch.int32, device=dev)
+        self.pad_table_row = c.max_table_rows - 1
         self._sparse_ordinal = {layer: i for i, layer in enumerate(c.sparse_layers)}
         # Host mirror. Free lists are stacks so the most recently freed page/row is reused first.
         self._free_pages: list[int] = list(range(c.num_pages - 1, -1, -1))
@@ -197,14 +197,14 @@ class PagedKVCache:
         Raises:
             ValueError: ``seq_id`` is already live.
             RuntimeError: every assignable row is taken (free finished sequences first, or
-                raise ``max_seqs``/``seq_slot_headroom``).
+                raise ``max_seqs``/``table_row_headroom``).
         """
         if seq_id in self._row:
             raise ValueError(f"sequence {seq_id!r} is already in the cache (block-table row {self._row[seq_id]})")
         if not self._free_rows:
             raise RuntimeError(
                 f"too many sequences: all {self.config.max_live_seqs} block-table rows are in use "
-                f"(max_seqs={self.config.max_seqs} + seq_slot_headroom={self.config.seq_slot_headroom}); "
+                f"(max_seqs={self.config.max_seqs} + table_row_headroom={self.config.table_row_headroom}); "
                 f"free finished sequences or raise those limits"
             )
         row = self._free_rows.pop()
@@ -242,7 +242,7 @@ class PagedKVCache:
         self.block_tables[row, : len(pages)] = _to_device(pages, self.block_tables.device)
         return row
 
-    def seq_slot(self, seq_id: Hashable) -> int:
+    def table_row(self, seq_id: Hashable) -> int:
         """Block-table row of a live sequence."""
         self._check_seq(seq_id)
         return self._row[seq_id]

@@ -12,7 +12,9 @@
 # overlap (decode step wall vs GPU-busy through the engine), soak (10k-step serving soak with
 # recaptures and checks), tp (tensor parallelism through NCCL: the parallel tests, then
 # profile_forward under torchrun at real width, --tp 1 beside the same run without a group, and
-# --tp <GPUs> when the machine has several), or a pytest path.
+# --tp <GPUs> when the machine has several), steps (60-layer decode 1/8/32 and mixed 30+1024, wall and
+# GPU-busy; with a checkout of an earlier commit in .baseline/, the same benchmark on it first, side
+# by side), audit (60-layer serving with audits off, 1 in 10 and 1 in 1000), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -43,7 +45,8 @@ for part in "${parts[@]}"; do
   echo "=== $part ($(date +%T)) ===" | tee -a "$LOG"
   T="timeout --signal=INT $(budget "$part")"
   case "$part" in
-    tests)      $T python3 -m pytest -m cuda -q -rs --timeout 300 tests/ 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    tests)      # TEST_PATHS splits the GPU tests over calls (default: all of tests/)
+                $T python3 -m pytest -m cuda -q -rs --timeout 300 ${TEST_PATHS:-tests/} 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     toy)        $T python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     kernels)    $T python3 benchmarks/bench_attention_kernels.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     moe)        $T python3 benchmarks/bench_m3_moe.py --json "$OUT/bench_m3_moe.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
@@ -78,6 +81,12 @@ for part in "${parts[@]}"; do
                   $T python3 -m torch.distributed.run --nproc-per-node "$NGPU" examples/serve_sim.py --preset real --layers $L --tp "$NGPU" --modes decode,full_and_piecewise --requests 24 --concurrency 16 --prompt-len 200:800 --output-len 32:64 --chunk 512 --json "$OUT/serve_sim_real${L}_tp${NGPU}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 fi ;;
     producers)  $T python3 benchmarks/bench_m3_producers.py --json "$OUT/bench_m3_producers.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    steps)      rc=0
+                if [ -d .baseline ]; then  # the earlier checkout's packages first on the path, not this one's
+                  PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} $T python3 benchmarks/bench_steps.py --label before --json "$OUT/bench_steps_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+                fi
+                $T python3 benchmarks/bench_steps.py --label after --json "$OUT/bench_steps_after.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
+    audit)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes full_and_piecewise --audit-every ${AUDIT_EVERY:-0,10,1000} --json "$OUT/serve_sim_audit.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac
   echo "=== $part exit $rc ===" | tee -a "$LOG"

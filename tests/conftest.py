@@ -6,13 +6,20 @@
   ``scripts/gpu_suite.sh`` runs them on the device.
 - ``tests/`` is on ``sys.path`` (pytest adds a root conftest's folder), so shared scaffolding
   imports as ``helpers.*``; the packages themselves are installed (``pip install -e .``).
+- CPU tests run torch single-threaded (``OMP_NUM_THREADS=1``, inherited by the rank processes
+  the parallel tests spawn): their tensors are tiny, so a second thread gains nothing, and on a
+  2-core machine with another busy process OpenMP's spinning threads made the suite 7x slower
+  (a 25 s test took 110 s). A value you set yourself wins.
 """
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

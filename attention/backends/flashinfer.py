@@ -8,8 +8,8 @@ layer; the op only launches kernels.
 
 Two kinds of flashinfer wrapper share one float workspace and the persistent page buffers:
 
-- Whole decode graphs: ``BatchDecodeWithPagedKVCacheWrapper`` in CUDA-graph mode, one per
-  whole-graph bucket the manager captures (``init_capture``). A graph-mode wrapper's batch size
+- Decode graphs: ``BatchDecodeWithPagedKVCacheWrapper`` in CUDA-graph mode, one per
+  decode-graph size the manager captures (``init_capture``). A graph-mode wrapper's batch size
   is fixed (flashinfer takes it from the length of the ``last_page_len`` buffer); all of them
   get views (from offset 0) of the same indptr / indices / last_page_len buffers. A captured
   decode graph reads those fixed addresses plus the wrapper's own int workspace, which ``plan``
@@ -36,7 +36,8 @@ import torch
 
 from attention.base import AttentionBackend, device_tensors
 from attention.dims import AttentionDims
-from graphcap import Padding, Step, jit_cache
+from graphcap import Padding, Step
+from graphcap.startup import jit_cache
 from kvcache.paged import PagedKVCache
 
 _INSTALL_HINT = "install it with the 'cuda' extra: pip install 'graphcap[cuda]' (package flashinfer-python)"
@@ -89,17 +90,17 @@ def paged_kv_layout(kv_lens: torch.Tensor, num_rows: int, page_size: int) -> tup
     return indptr, last_page_len
 
 
-def gather_page_indices(indptr: torch.Tensor, seq_slots: torch.Tensor, block_tables: torch.Tensor,
+def gather_page_indices(indptr: torch.Tensor, table_rows: torch.Tensor, block_tables: torch.Tensor,
                         out: torch.Tensor) -> None:
     """Concatenated page ids of each request, gathered on the device from its block-table row.
 
-    ``out[indptr[i] + j] = block_tables[seq_slots[i], j]`` for ``j < indptr[i+1] - indptr[i]``.
+    ``out[indptr[i] + j] = block_tables[table_rows[i], j]`` for ``j < indptr[i+1] - indptr[i]``.
     A fixed handful of kernels whatever the batch: no host work per page.
 
     Args:
         indptr: int32 ``[R + 1]`` page offsets, on ``out``'s device.
-        seq_slots: int32 ``[R]`` block-table rows.
-        block_tables: int32 ``[max_seq_slots, max_pages_per_seq]``, contiguous.
+        table_rows: int32 ``[R]`` block-table rows.
+        block_tables: int32 ``[max_table_rows, max_pages_per_seq]``, contiguous.
         out: int32 ``[indptr[-1]]``, written in place.
     """
     n = out.shape[0]
@@ -107,7 +108,7 @@ def gather_page_indices(indptr: torch.Tensor, seq_slots: torch.Tensor, block_tab
         return
     pos = torch.arange(n, dtype=indptr.dtype, device=out.device)
     req = torch.searchsorted(indptr[1:], pos, right=True)  # request owning each output entry
-    flat = seq_slots[req].long() * block_tables.shape[1] + (pos - indptr[req])
+    flat = table_rows[req].long() * block_tables.shape[1] + (pos - indptr[req])
     torch.index_select(block_tables.view(-1), 0, flat, out=out)
 
 
@@ -131,6 +132,8 @@ class FlashinferAttention(AttentionBackend):
         RuntimeError: the cache is not on a CUDA device.
         ValueError: an unsupported cache dtype.
     """
+
+    needs_jit = True  # every wrapper's module is built on first plan (about 20 s on an H200)
 
     def __init__(self, cache: PagedKVCache, dims: AttentionDims, *, prefill_backend: str = "fa2",
                  workspace_bytes: int = 128 << 20) -> None:
@@ -166,14 +169,14 @@ class FlashinferAttention(AttentionBackend):
         """Batch sizes with a graph-mode decode wrapper."""
         return sorted(self._decode)
 
-    def init_capture(self, whole_graph_buckets: Sequence[int], max_seqs: int) -> None:
-        """One graph-mode decode wrapper per whole-graph bucket (kept across recaptures)."""
+    def init_capture(self, decode_sizes: Sequence[int], max_seqs: int) -> None:
+        """One graph-mode decode wrapper per decode-graph size (kept across recaptures)."""
         cap = self._last_page_len_buf.shape[0]
-        bad = [b for b in whole_graph_buckets if not 1 <= b <= cap]
+        bad = [b for b in decode_sizes if not 1 <= b <= cap]
         if bad:
-            raise ValueError(f"whole decode graphs of {bad} requests exceed the flashinfer buffers ({cap} request "
-                             f"rows = max_seqs + 1); keep whole-graph buckets <= max_seqs")
-        for b in whole_graph_buckets:
+            raise ValueError(f"decode graphs of {bad} requests exceed the flashinfer buffers ({cap} request "
+                             f"rows = max_seqs + 1); keep decode-graph buckets <= max_seqs")
+        for b in decode_sizes:
             if b not in self._decode:
                 self._decode[b] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace_buf,
@@ -192,22 +195,22 @@ class FlashinferAttention(AttentionBackend):
     def plan(self, step: Step, padding: Padding) -> None:
         """Host work for one step; every dense layer then runs with it.
 
-        A whole decode graph plans its bucket's graph-mode wrapper (request rows padded to
-        the bucket); a uniform decode step of a size with a wrapper uses it too; anything
-        else plans the eager prefill wrapper over the real requests.
+        A decode graph plans its size's graph-mode wrapper (request rows padded to the
+        bucket); a uniform decode step of a size with a wrapper uses it too; anything else
+        plans the eager prefill wrapper over the real requests.
 
         Raises:
-            ValueError: metadata of another cache, or a whole decode graph without a wrapper
-                (its bucket was not given to ``init_capture``).
+            ValueError: metadata of another cache, or a decode graph without a wrapper (its
+                size was not given to ``init_capture``).
         """
         self._planned = None  # a failed plan leaves no stale plan for the op to use
         meta = self.check_plan(step, padding)
         rows = padding.request_rows
         wrapper = self._decode.get(rows) if step.uniform_decode else None
-        if padding.whole_graph and wrapper is None:
+        if padding.decode_graph and wrapper is None:
             raise ValueError(
-                f"a whole decode graph of {rows} requests has no graph-mode flashinfer wrapper (have "
-                f"{self.decode_batch_sizes}); call init_capture with the manager's whole-graph buckets"
+                f"a decode graph of {rows} requests has no graph-mode flashinfer wrapper (have "
+                f"{self.decode_batch_sizes}); call init_capture with the manager's decode-graph sizes"
             )
         indptr, last_page_len = paged_kv_layout(meta.kv_lens_host, rows, self.dims.block_size)
         total = int(indptr[-1])
@@ -219,7 +222,7 @@ class FlashinferAttention(AttentionBackend):
         indptr_dev = self._indptr_buf[: rows + 1]
         indptr_dev.copy_(indptr, non_blocking=True)
         indices = self._indices_buf[:total]
-        gather_page_indices(indptr_dev, meta.buffers.seq_slots[:rows], meta.block_tables, indices)
+        gather_page_indices(indptr_dev, meta.buffers.table_rows[:rows], meta.block_tables, indices)
         d = self.dims
         dims = (d.num_qo_heads, d.num_kv_heads, d.head_dim, d.block_size)
         kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=d.scale)

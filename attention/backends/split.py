@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from attention.backends.torch import TorchAttention
 from attention.base import AttentionBackend
 from graphcap import Padding, Step
 
@@ -44,6 +45,24 @@ class LayerSplit(AttentionBackend):
             self.dense_part = part
 
     @property
+    def needs_jit(self) -> bool:  # type: ignore[override]
+        return self.dense_part.needs_jit or self.sparse_part.needs_jit
+
+    @property
+    def deterministic(self) -> bool:  # type: ignore[override]
+        return self.dense_part.deterministic and self.sparse_part.deterministic
+
+    @contextmanager
+    def before_jit(self) -> Iterator[bool]:
+        """Dense layers whose part needs its JIT run the torch reference meanwhile (the sparse
+        part's kernels are what compile-ahead builds; they are the same either way)."""
+        if self.sparse_part.needs_jit or not self.dense_part.needs_jit:
+            yield not self.needs_jit
+            return
+        with self.dense_served_by(TorchAttention(self.cache, self.dims)):
+            yield True
+
+    @property
     def topk_buf(self) -> torch.Tensor:
         """The sparse part's shared top-k buffer."""
         return self.sparse_part.topk_buf  # type: ignore[attr-defined]
@@ -64,9 +83,9 @@ class LayerSplit(AttentionBackend):
     def sparse_graph_safe(self, padding: Padding) -> bool:
         return self.sparse_part.sparse_graph_safe(padding)
 
-    def init_capture(self, whole_graph_buckets: Sequence[int], max_seqs: int) -> None:
-        self.dense_part.init_capture(whole_graph_buckets, max_seqs)
-        self.sparse_part.init_capture(whole_graph_buckets, max_seqs)
+    def init_capture(self, decode_sizes: Sequence[int], max_seqs: int) -> None:
+        self.dense_part.init_capture(decode_sizes, max_seqs)
+        self.sparse_part.init_capture(decode_sizes, max_seqs)
 
     def warmup(self) -> None:
         self.dense_part.warmup()

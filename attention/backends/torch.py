@@ -1,7 +1,7 @@
 """TorchAttention: the plain-torch reference backend (host loops over requests).
 
 Exact and slow; the CPU path and the reference other backends are tested against. Its ops
-loop over the step's requests on the host, so it is never graph-safe for whole decode graphs.
+loop over the step's requests on the host, so it is never graph-safe for decode graphs.
 """
 
 from __future__ import annotations

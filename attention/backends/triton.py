@@ -3,8 +3,8 @@
 - ``sparse``: index top-k into the shared ``topk_buf``, then block-sparse GQA. Uniform decode
   steps take the graph-safe decode path (every row of ``q`` runs; positions, sequences, slots
   and block tables come from the metadata's persistent device buffers; grids depend on shapes
-  only), so whole decode graphs capture through it. Other steps take the prefill path, sized
-  from host metadata (never inside a whole graph: the manager only makes whole graphs of
+  only), so decode graphs capture through it. Other steps take the prefill path, sized
+  from host metadata (never inside a decode graph: the manager only makes decode graphs of
   uniform decode steps). The indexer runs over request-aligned token tiles planned per step (a
   prefill chunk's tokens share every index-K tile they load: 158 -> 22 us per layer for 30
   decodes + a 1024-token chunk at rank-of-8 on an H200); the attention runs one token per

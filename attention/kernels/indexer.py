@@ -56,7 +56,7 @@ def _pack_keys(score, block_id):
 def _partial_kernel(
     iq_ptr, stride_iq_t, stride_iq_h,
     ik_ptr, stride_ik_p, stride_ik_s,
-    bt_ptr, stride_bt, seq_slots_ptr, token_seq_ptr, pos_ptr, slot_ptr,
+    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
     part_ptr, T, page_size, NC, tiles_ptr,
     HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
@@ -99,7 +99,7 @@ def _partial_kernel(
             in_s = row_ok & (seq == s)
             p_hi = tl.max(tl.where(in_s, pos, -1), axis=0)
             b_end = tl.minimum(b0 + CHUNK, (p_hi + page_size) // page_size)  # p_hi = -1 -> b_end <= 0
-            srow = tl.load(seq_slots_ptr + s)
+            srow = tl.load(table_rows_ptr + s)
             for b in range(b0, b_end):
                 page = tl.load(bt_ptr + srow.to(tl.int64) * stride_bt + b)
                 kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
@@ -182,7 +182,7 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     block_m = pad_dim(block_t * H)
     _partial_kernel[(programs, nc)](
         iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
-        meta.block_tables, meta.block_tables.stride(0), buf.seq_slots, buf.token_seq, buf.positions,
+        meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
         buf.slot_mapping, part, T, meta.page_size, nc, buf.token_seq if tiles is None else tiles,
         HIDX=H, DI=Di, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=pad_dim(meta.page_size),
         BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32, TILED=tiles is not None,

@@ -78,7 +78,7 @@ def _attn_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_ptr, v_ptr, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
     sel_ptr, stride_sel_h, stride_sel_t,
-    bt_ptr, stride_bt, seq_slots_ptr, token_seq_ptr, pos_ptr, slot_ptr,
+    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
     out_ptr, stride_o_t, stride_o_h, po_ptr, plse_ptr,
     T, page_size, qk_scale, BPS, tiles_ptr,
     G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -105,7 +105,7 @@ def _attn_kernel(
     row_ok = row_ok & (slot >= 0)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)
     seq = tl.load(token_seq_ptr + tok, mask=row_ok, other=0)
-    srow = tl.load(seq_slots_ptr + seq, mask=row_ok, other=0).to(tl.int64)
+    srow = tl.load(table_rows_ptr + seq, mask=row_ok, other=0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     tok64 = tok.to(tl.int64)
     q = tl.load(q_ptr + tok64[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
@@ -123,7 +123,7 @@ def _attn_kernel(
         ok0 = t_lo < t_hi
         ok0 = ok0 & (tl.load(slot_ptr + t_lo, mask=ok0, other=-1) >= 0)
         p0 = tl.load(pos_ptr + t_lo, mask=ok0, other=-1).to(tl.int32)
-        srow0 = tl.load(seq_slots_ptr + tl.load(token_seq_ptr + t_lo, mask=ok0, other=0), mask=ok0, other=0)
+        srow0 = tl.load(table_rows_ptr + tl.load(token_seq_ptr + t_lo, mask=ok0, other=0), mask=ok0, other=0)
         srow0 = srow0.to(tl.int64)
         if DENSE:
             v_lo = sp * BPS
@@ -156,7 +156,7 @@ def _attn_kernel(
             ok_i = t_i < t_hi
             ok_i = ok_i & (tl.load(slot_ptr + t_i, mask=ok_i, other=-1) >= 0)
             seq_i = tl.load(token_seq_ptr + t_i, mask=ok_i, other=0)
-            srow_i = tl.load(seq_slots_ptr + seq_i, mask=ok_i, other=0).to(tl.int64)
+            srow_i = tl.load(table_rows_ptr + seq_i, mask=ok_i, other=0).to(tl.int64)
             for k in range(k_lo, k_hi):
                 blk = tl.load(sel_ptr + g * stride_sel_h + t_i.to(tl.int64) * stride_sel_t + k, mask=ok_i, other=-1)
                 page = tl.load(bt_ptr + srow_i * stride_bt + blk, mask=blk >= 0, other=-1)
@@ -257,7 +257,7 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         k_cache_l, v_cache_l, k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
         v_cache_l.stride(0), v_cache_l.stride(1), v_cache_l.stride(2),
         sel_t, sel_t.stride(0), sel_t.stride(1),
-        meta.block_tables, meta.block_tables.stride(0), buf.seq_slots, buf.token_seq, buf.positions,
+        meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
         buf.slot_mapping, out, out.stride(0), out.stride(1), po, plse,
         T, meta.page_size, scale * _LOG2E, bps, buf.token_seq if tiles is None else tiles,
         G=G, D=D, TOPK=topk, K_PAD=max(2, next_pow2(topk)), BLOCK_T=block_t, BLOCK_M=block_m,

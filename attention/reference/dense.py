@@ -11,20 +11,20 @@ import torch
 from attention.metadata import AttentionMetadata
 
 
-def paged_gather(cache_l: torch.Tensor, block_tables: torch.Tensor, seq_slot: int, length: int) -> torch.Tensor:
+def paged_gather(cache_l: torch.Tensor, block_tables: torch.Tensor, table_row: int, length: int) -> torch.Tensor:
     """The first ``length`` positions of one sequence, contiguous.
 
     Args:
         cache_l: ``[num_pages, page_size, *rest]`` one layer of a paged cache.
-        block_tables: ``int32 [max_seq_slots, max_pages_per_seq]``.
-        seq_slot: the sequence's block-table row.
+        block_tables: ``int32 [max_table_rows, max_pages_per_seq]``.
+        table_row: the sequence's block-table row.
         length: positions to gather.
     Returns:
         ``[length, *rest]``, same dtype as the cache.
     """
     page = cache_l.shape[1]
     npages = -(-length // page)
-    pages = block_tables[seq_slot, :npages].long()
+    pages = block_tables[table_row, :npages].long()
     return cache_l.index_select(0, pages).reshape(npages * page, *cache_l.shape[2:])[:length]
 
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from graphcap.config import int_tuple, is_int
+from common.values import as_float, int_tuple, is_int
 from kvcache.paged import KVCacheConfig
 
 from .hf_config import read_config_json, translate_hf
@@ -97,6 +97,17 @@ class MiniMaxM3Config:
     def __post_init__(self) -> None:
         for name in ("moe_layer_freq", "sparse_attention_freq"):
             object.__setattr__(self, name, int_tuple(f"MiniMaxM3Config.{name}", getattr(self, name)))
+        # Float constants: the RoPE base is raised to powers, eps is added under a root, the others
+        # scale or clamp activations. A non-number, NaN, inf or (where listed) a value <= 0 would
+        # build a model that only shows the mistake as NaN/inf outputs. Comparisons with NaN are
+        # False, so the range tests below also refuse NaN.
+        for name in ("rope_theta", "rms_norm_eps", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha"):
+            v = getattr(self, name)
+            positive = name != "swiglu_alpha"
+            f = as_float(v) if isinstance(v, (int, float)) else None
+            if f is None or (positive and not f > 0):
+                raise ValueError(f"{name} must be {'a finite number > 0' if positive else 'a finite number'}, "
+                                 f"got {v!r}")
         _validate(self)
 
     # ----- derived shapes -------------------------------------------------------------
@@ -175,7 +186,7 @@ class MiniMaxM3Config:
         index_dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         page_size: int | None = None,
-        seq_slot_headroom: int | None = None,
+        table_row_headroom: int | None = None,
         capture_rows: int = 0,
         capture_pages: int = 0,
     ) -> KVCacheConfig:
@@ -194,7 +205,7 @@ class MiniMaxM3Config:
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, index_dim=self.sparse_index_dim,
             page_size=self.sparse_block_size, num_pages=num_pages, max_seqs=max_seqs,
             max_pages_per_seq=max_pages_per_seq, dtype=dt, index_dtype=index_dtype or dt, device=device,
-            seq_slot_headroom=seq_slot_headroom, capture_rows=capture_rows, capture_pages=capture_pages,
+            table_row_headroom=table_row_headroom, capture_rows=capture_rows, capture_pages=capture_pages,
         )
 
     # ----- presets ---------------------------------------------------------------------
@@ -379,8 +390,6 @@ def _validate(c: MiniMaxM3Config) -> None:
         raise ValueError("tie_word_embeddings=True is unsupported (M3 has its own lm_head)")
     if c.dtype not in _DTYPES:
         raise ValueError(f"dtype={c.dtype!r} is unsupported; choose one of {sorted(_DTYPES)}")
-    if not c.rms_norm_eps > 0:
-        raise ValueError(f"rms_norm_eps must be > 0, got {c.rms_norm_eps}")
 
 
 _NOT_HF = frozenset({"tp_size", "ep_size"})

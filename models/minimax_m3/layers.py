@@ -1,5 +1,10 @@
-"""MiniMax-M3 building blocks: GemmaRMSNorm, SwiGLU-OAI, dense MLP, routing, MoE (RoPE: see
-``kernels/producer.py``, fused with the per-head norms and cache writes).
+"""MiniMax-M3 building blocks: their parameters and their reference maths (plain torch).
+
+GemmaRMSNorm, SwiGLU-OAI, the dense MLP, sigmoid routing and the block-sparse MoE. Each
+formula is written once here; the op table (``models.minimax_m3.ops``) runs these as its
+torch path and the fused kernels' torch twins (``kernels/``) reuse them, so nothing here
+imports the op table or the kernels. RoPE is fused with the per-head norms and the cache
+writes (``kernels/producer.py``).
 
 Everything here is request-independent and capturable: fixed shapes for a given token
 count, no host syncs, no boolean-mask indexing, no data-dependent output shapes.
@@ -7,14 +12,22 @@ count, no host syncs, no boolean-mask indexing, no data-dependent output shapes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from .ops import M3Ops
+
+def gemma_rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * (1 + w)`` over the last dim, in fp32 (the one Gemma
+    RMSNorm formula). x: ``[..., dim]`` (any float dtype); weight: ``[dim]``, the checkpoint's
+    offset (near zero), not ``1 + w``. Returns fp32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+
+
+def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm cast back to ``x.dtype`` (the torch op table's ``rmsnorm``)."""
+    return gemma_rms_normalize(x, weight, eps).to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -30,25 +43,26 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., dim]`` -> same shape and dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return gemma_rmsnorm(x, self.weight, self.eps)
+
+
+def swiglu_oai_f32(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1)`` in fp32
+    (the one SwiGLU-OAI formula). Shapes ``[..., I]`` -> fp32 ``[..., I]``."""
+    g = gate.float().clamp(max=limit)
+    return g * torch.sigmoid(alpha * g) * (up.float().clamp(-limit, limit) + 1.0)
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """``min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1)``.
-
-    Computed in fp32 and cast back to ``gate.dtype``. Shapes ``[..., I]`` -> ``[..., I]``.
-    """
-    g = gate.float().clamp(max=limit)
-    u = up.float().clamp(-limit, limit)
-    return (g * torch.sigmoid(alpha * g) * (u + 1.0)).to(gate.dtype)
+    """SwiGLU-OAI cast back to ``gate.dtype``."""
+    return swiglu_oai_f32(gate, up, alpha, limit).to(gate.dtype)
 
 
 class DenseMLP(nn.Module):
     """SwiGLU-OAI MLP with fused ``gate_up_proj [2I, H]`` (gate rows first) and ``down_proj``.
 
-    Used for the dense layers' ``mlp`` and for ``block_sparse_moe.shared_experts``.
+    Used for the dense layers' ``mlp`` and for ``block_sparse_moe.shared_experts``; ``forward``
+    is the one dense-MLP path of the torch op table.
     """
 
     def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype,
@@ -108,10 +122,10 @@ class StackedExperts(nn.Module):
 class BlockSparseMoE(nn.Module):
     """Router + routed experts + one (TP-sliced) shared expert, added unscaled.
 
-    Two capturable formulations of the routed part, both fixed-shape for a token count (the
-    op table, ``models.minimax_m3.ops``, picks one):
+    ``forward`` is the reference (the torch op table's MoE), in two capturable formulations of
+    the routed part, both fixed-shape for a token count:
 
-    - ``grouped`` (default where ``torch._grouped_mm`` supports the device/dtype): sort the
+    - ``grouped`` (where ``torch._grouped_mm`` supports the device/dtype): sort the
       ``T * top_k`` (token, expert) pairs by local expert id (pairs for remote experts or
       padded rows get a sentinel id past the last expert and sort last), gather their rows,
       run two grouped GEMMs whose group ends come from ``searchsorted`` on the device, and
@@ -138,13 +152,11 @@ class BlockSparseMoE(nn.Module):
         self.experts = StackedExperts(num_local, hidden, inter, dtype, device)
         self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype, device)
 
-    def forward(self, x: torch.Tensor, num_real_tokens: torch.Tensor | None, ops: "M3Ops") -> torch.Tensor:
-        """x: ``[T, H]`` -> ``[T, H]``; padded rows (``>= num_real_tokens``) skip routed experts.
-        The op table decides how (``ops.moe``: torch grouped or loop, or the fused kernels)."""
-        return ops.moe(self, x, num_real_tokens)
-
-    def _local_keys(self, ids: torch.Tensor) -> torch.Tensor:
-        return local_expert_keys(ids, self.expert_offset, self.experts.num_experts)
+    def forward(self, x: torch.Tensor, num_real_tokens: torch.Tensor | None, grouped: bool = True) -> torch.Tensor:
+        """x: ``[T, H]`` -> ``[T, H]``; padded rows (``>= num_real_tokens``) skip routed experts."""
+        ids, w = route(x, self.gate.weight, self.e_score_correction_bias, self.top_k, self.scale, num_real_tokens)
+        routed = self.routed_grouped(x, ids, w) if grouped else self.routed_loop(x, ids, w)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
 
     def routed_grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Sorted pairs + grouped GEMMs. Returns fp32 ``[T, H]``."""
@@ -155,7 +167,7 @@ class BlockSparseMoE(nn.Module):
         ex = self.experts
         n = ex.num_experts
         comb = torch.zeros(x.shape[0], n + 1, dtype=torch.float32, device=x.device)
-        comb.scatter_add_(1, self._local_keys(ids), w)  # column n collects remote/padded pairs
+        comb.scatter_add_(1, local_expert_keys(ids, self.expert_offset, n), w)  # column n: remote/padded pairs
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e in range(n):
             h = F.linear(x, ex.w13[e])

@@ -22,11 +22,11 @@ from torch import nn
 from attention.base import AttentionBackend
 from attention.rope import rope_inv_freq
 from distributed import ParallelGroup, vocab_parallel
-from graphcap.scratch import SpliceBuffers
+from graphcap.splice_buffers import SpliceBuffers
 from kvcache.paged import PagedKVCache
 
 from .config import MiniMaxM3Config
-from .kernels.producer import QKVLayout
+from .kernels.producer import HeadNorms, QKVLayout
 from .layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm
 from .ops import M3Ops, make_ops
 
@@ -80,21 +80,29 @@ class M3Attention(nn.Module):
                                 c.sparse_num_index_heads if self.sparse else 0,
                                 c.sparse_index_dim if self.sparse else 0, c.rotary_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
+    def head_norms(self) -> HeadNorms:
+        """The per-head norm weights the producer reads (index ones on sparse layers)."""
+        if self.sparse:
+            return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.index_q_norm.weight,
+                             self.index_k_norm.weight)
+        return HeadNorms(self.q_norm.weight, self.k_norm.weight)
+
+    def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """x: normed hidden ``[T, H]`` -> the o_proj output ``[T, H]``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q, index-q and the attention output cross the splice: shared buffers, not per-layer
-        # allocations a captured splice would keep alive (see graphcap.scratch).
-        q = li.buffers.view("q", t)
-        iq = li.buffers.view("index_q", t) if self.sparse else None
-        li.ops.norm_rope_write(self, qkv, li.positions, li.inv_freq, li.slot_mapping, li.cache, q, iq)
+        # allocations a captured splice would keep alive (see graphcap.splice_buffers).
+        q = inputs.buffers.view("q", t)
+        iq = inputs.buffers.view("index_q", t) if self.sparse else None
+        inputs.ops.norm_rope_write(qkv, inputs.positions, inputs.inv_freq, inputs.slot_mapping, self.layout,
+                                   self.head_norms(), inputs.cache, self.layer, q, iq)
         # Rows the attention op leaves untouched (padding) must not carry garbage into o_proj.
-        out = li.buffers.view("attn_out", t).zero_()
+        out = inputs.buffers.view("attn_out", t).zero_()
         if self.sparse:
-            li.backend.sparse(self.layer, q, iq, out)
+            inputs.backend.sparse(self.layer, q, iq, out)
         else:
-            li.backend.dense(self.layer, q, out)
+            inputs.backend.dense(self.layer, q, out)
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
 
@@ -116,21 +124,21 @@ class M3DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype, device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+                inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream in fused-norm form: ``x`` is the previous layer's output (the
         embedding for layer 0, with ``residual=None``), added to ``residual`` by the fused
         add + norm that starts this layer. Returns this layer's MLP/MoE output and the residual
         stream ``[T, H]`` (the op table may update both in place). Under tensor parallelism
         the attention and MLP/MoE outputs are this rank's partial sums until the all-reduce."""
-        ops, eps, n, pad = li.ops, self.input_layernorm.eps, li.num_real_tokens, li.padded
+        ops, eps, n, pad = inputs.ops, self.input_layernorm.eps, inputs.num_real_tokens, inputs.padded
         if residual is None:
             residual, h = x, ops.rmsnorm(x, self.input_layernorm.weight, eps)
         else:
             h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-        a = li.group.all_reduce_(self.self_attn(h, li), pad)
+        a = inputs.group.all_reduce_(self.self_attn(h, inputs), pad)
         b, residual = ops.add_rmsnorm(a, residual, self.post_attention_layernorm.weight, eps)
-        out = self.block_sparse_moe(b, n, ops) if self.is_moe else ops.mlp(self.mlp, b)
-        return li.group.all_reduce_(out, pad), residual
+        out = ops.moe(self.block_sparse_moe, b, n) if self.is_moe else ops.mlp(self.mlp, b)
+        return inputs.group.all_reduce_(out, pad), residual
 
 
 class M3Model(nn.Module):
@@ -240,12 +248,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
             raise RuntimeError("attach(cache, backend) before running the forward")
         ids, n = inputs["input_ids"], inputs.get("num_real_tokens")
         pad = self.group.padded_rows(ids.shape[0], n, ids.device)
-        li = LayerInputs(inputs["positions"], inputs["slot_mapping"], n, self.rope_inv_freq, cache, backend,
-                         self.ops, buffers, self.group, pad)
+        shared = LayerInputs(inputs["positions"], inputs["slot_mapping"], n, self.rope_inv_freq, cache, backend,
+                             self.ops, buffers, self.group, pad)
         x = vocab_parallel.embed(self.model.embed_tokens.weight, ids, self.group, pad)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, li)
+            x, residual = layer(x, residual, shared)
         norm = self.model.norm
         return self.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
 

@@ -1,15 +1,16 @@
 """The producer op table of MiniMax-M3: which implementation each request-independent op
 runs, chosen once per model (``make_ops``).
 
-Every op has a plain-torch implementation (the reference, and the CPU path) and a fused CUDA
-one behind the same signature; the model calls ``ops.<op>(...)`` with no branch.
+Every op has a plain-torch implementation (the reference maths of ``layers``, and the CPU
+path) and a fused CUDA one behind the same signature; the model calls ``ops.<op>(...)`` with
+no branch, handing each op what it needs (the op table never reaches into the model).
 ``make_ops("auto", device)`` picks the fused kernels on CUDA and torch elsewhere.
 
 Ops (``T`` tokens, hidden ``H``):
-    norm_rope_write(attn, qkv, positions, inv_freq, slot_mapping, cache, q_out, iq_out): per-head
-        Gemma norms of q, k (and iq, ik), partial NeoX RoPE, K/V (and index-K) cache writes
-        (slot -1 writes nothing); ``q_out [T, Hq, D]`` and ``iq_out [T, Hidx, Di]`` (or None)
-        receive the normed, rotated queries.
+    norm_rope_write(qkv, positions, inv_freq, slot_mapping, layout, norms, cache, layer, q_out,
+        iq_out): per-head Gemma norms of q, k (and iq, ik), partial NeoX RoPE, K/V (and index-K)
+        cache writes of ``layer`` (slot -1 writes nothing); ``q_out [T, Hq, D]`` and
+        ``iq_out [T, Hidx, Di]`` (or None) receive the normed, rotated queries.
     rmsnorm(x, weight, eps) -> ``[T, H]``: Gemma RMSNorm (the first layer's input norm).
     add_rmsnorm(x, residual, weight, eps) -> (normed, residual): ``residual += x``, then the
         norm of the sum; the fused kernel works in place (flashinfer's semantics: the norm
@@ -17,26 +18,24 @@ Ops (``T`` tokens, hidden ``H``):
     mlp(mlp, x) -> ``[T, H]``: the dense layers' SwiGLU-OAI MLP.
     moe(moe, x, num_real_tokens) -> ``[T, H]``: router, this rank's routed experts and the
         shared expert; rows ``>= num_real_tokens`` (padding) reach no routed expert.
-    prepare(model, num_tokens): host work before a forward of ``num_tokens`` rows (kernel
-        choices: every MoE configuration is validated against the torch reference on a probe
-        input, the fastest valid one is kept, and the rejected ones are reported).
+    choose_kernels(model, num_tokens, tune): host work before a forward of ``num_tokens`` rows
+        (kernel choices: every MoE configuration is validated against the torch reference on a
+        probe input, the fastest valid one is kept, and the rejected ones are reported).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from graphcap.tuning import ChoiceStore, KernelTuner
+from graphcap.startup.tuning import ChoiceStore, KernelTuner
 from kvcache.paged import PagedKVCache
+from models.runner.protocol import OpTable
 
-from .kernels.producer import norm_rope_cache_write, norm_rope_torch
-from .layers import BlockSparseMoE, DenseMLP, route, swiglu_oai
-
-if TYPE_CHECKING:
-    from .model import M3Attention
+from .kernels.producer import HeadNorms, QKVLayout, norm_rope_cache_write, norm_rope_torch
+from .layers import BlockSparseMoE, DenseMLP, gemma_rmsnorm
 
 PRODUCERS = ("auto", "torch", "triton")
 MOE_IMPLS = ("auto", "grouped", "loop")
@@ -44,67 +43,54 @@ MOE_IMPLS = ("auto", "grouped", "loop")
 
 # ---- plain torch -------------------------------------------------------------------------
 
-def norm_rope_write_torch(attn: M3Attention, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                          slot_mapping: torch.Tensor, cache: PagedKVCache, q_out: torch.Tensor,
-                          iq_out: torch.Tensor | None) -> None:
+def norm_rope_write_torch(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                          slot_mapping: torch.Tensor, layout: QKVLayout, norms: HeadNorms, cache: PagedKVCache,
+                          layer: int, q_out: torch.Tensor, iq_out: torch.Tensor | None) -> None:
     """The plain-torch producer: ``norm_rope_torch`` then ``PagedKVCache.write`` (capturable)."""
-    idx = (attn.index_q_norm.weight, attn.index_k_norm.weight) if attn.sparse else (None, None)
-    r = norm_rope_torch(qkv, positions, attn.layout, inv_freq, attn.q_norm.weight, attn.k_norm.weight, *idx)
-    cache.write(attn.layer, slot_mapping, r.k, r.v, r.ik)
+    r = norm_rope_torch(qkv, positions, layout, inv_freq, *norms)
+    cache.write(layer, slot_mapping, r.k, r.v, r.ik)
     q_out.copy_(r.q)
     if iq_out is not None:
         iq_out.copy_(r.iq)
 
 
-def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
-
-
 def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + x
-    return rmsnorm_torch(residual, weight, eps), residual
+    return gemma_rmsnorm(residual, weight, eps), residual
 
 
 def mlp_torch(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
-    gu = mlp.gate_up_proj(x)
-    return mlp.down_proj(swiglu_oai(gu[:, : mlp.inter], gu[:, mlp.inter :], mlp.alpha, mlp.limit))
-
-
-def _moe_torch(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None,
-               grouped: bool) -> torch.Tensor:
-    ids, w = route(x, moe.gate.weight, moe.e_score_correction_bias, moe.top_k, moe.scale, num_real_tokens)
-    routed = moe.routed_grouped(x, ids, w) if grouped else moe.routed_loop(x, ids, w)
-    return (routed + mlp_torch(moe.shared_experts, x).float()).to(x.dtype)
+    return mlp(x)
 
 
 def moe_torch_grouped(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
-    return _moe_torch(moe, x, num_real_tokens, grouped=True)
+    return moe(x, num_real_tokens, grouped=True)
 
 
 def moe_torch_loop(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
-    return _moe_torch(moe, x, num_real_tokens, grouped=False)
+    return moe(x, num_real_tokens, grouped=False)
 
 
 # ---- fused CUDA kernels (Triton) -------------------------------------------------------------
 
-def norm_rope_write_triton(attn: M3Attention, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                           slot_mapping: torch.Tensor, cache: PagedKVCache, q_out: torch.Tensor,
-                           iq_out: torch.Tensor | None) -> None:
+def norm_rope_write_triton(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                           slot_mapping: torch.Tensor, layout: QKVLayout, norms: HeadNorms, cache: PagedKVCache,
+                           layer: int, q_out: torch.Tensor, iq_out: torch.Tensor | None) -> None:
     """The fused Triton producer: one launch for norms, RoPE and every cache write."""
-    index = dict(index_q_norm=attn.index_q_norm.weight, index_k_norm=attn.index_k_norm.weight,
-                 index_k_cache=cache.index_k_cache[cache.sparse_index(attn.layer)],
-                 iq_out=iq_out) if attn.sparse else {}
-    norm_rope_cache_write(qkv, positions, slot_mapping, attn.layout, inv_freq, attn.q_norm.weight, attn.k_norm.weight,
-                          cache.k_cache[attn.layer], cache.v_cache[attn.layer], q_out=q_out, **index)
+    index = {}
+    if layout.has_index:
+        index = dict(index_q_norm=norms.index_q, index_k_norm=norms.index_k,
+                     index_k_cache=cache.index_k_cache[cache.sparse_index(layer)], iq_out=iq_out)
+    norm_rope_cache_write(qkv, positions, slot_mapping, layout, inv_freq, norms.q, norms.k, cache.k_cache[layer],
+                          cache.v_cache[layer], q_out=q_out, **index)
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from .kernels.norm import gemma_rmsnorm
+    from .kernels.norm import gemma_rmsnorm as gemma_rmsnorm_kernel
 
     out = torch.empty_like(x)
-    gemma_rmsnorm(x, weight, eps, out)
+    gemma_rmsnorm_kernel(x, weight, eps, out)
     return out
 
 
@@ -157,11 +143,10 @@ class FusedMoE:
     def _config(self, num_tokens: int) -> object:
         from .kernels.moe import default_moe_config
 
-        # A shape prepare() never saw (direct calls in tests) runs the default configuration.
+        # A shape choose() never saw (direct calls in tests) runs the default configuration.
         return self._configs.get(num_tokens) or default_moe_config(num_tokens)
 
-    def prepare(self, model: torch.nn.Module, num_tokens: int, extra: dict | None = None,
-                tune: bool = True) -> None:
+    def choose(self, model: torch.nn.Module, num_tokens: int, extra: dict | None = None, tune: bool = True) -> None:
         """Choose the MoE configuration for ``num_tokens`` rows: every candidate runs on a probe
         (random hidden states routed by the first MoE layer's own router and weights) and is
         compared with the torch reference; ``extra`` adds candidates (tests inject bad ones).
@@ -198,8 +183,8 @@ class FusedMoE:
 
     def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
         """Launch the router and every candidate configuration for ``num_tokens`` rows once on
-        a probe, for ``graphcap.compile_ahead`` (inside it the launches compile only, many at
-        once, so the ``prepare`` that follows finds every kernel built)."""
+        a probe, for ``graphcap.startup.compile_ahead`` (inside it the launches compile only,
+        many at once, so the ``choose`` that follows finds every kernel built)."""
         from .kernels.moe import moe_config_candidates
 
         probe = self._probe(model, num_tokens) if num_tokens not in self._configs else None
@@ -225,7 +210,7 @@ class FusedMoE:
 # ---- the table ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class M3Ops:
+class M3Ops(OpTable):
     """One model's producer implementations (see the module docstring for the signatures)."""
 
     name: str
@@ -236,15 +221,15 @@ class M3Ops:
     moe: Callable[..., torch.Tensor]
     tuner: KernelTuner | None = None
 
-    def prepare(self, model: torch.nn.Module, num_tokens: int, tune: bool = True) -> None:
+    def choose_kernels(self, model: torch.nn.Module, num_tokens: int, tune: bool = True) -> None:
         """Host work before a forward of ``num_tokens`` rows (outside any capture); ``tune``:
         time the candidate kernels (else the default is validated alone)."""
         if isinstance(self.moe, FusedMoE):
-            self.moe.prepare(model, num_tokens, tune=tune)
+            self.moe.choose(model, num_tokens, tune=tune)
 
     def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
         """Launch the tunable kernels' candidates for ``num_tokens`` rows on probes, for
-        ``graphcap.compile_ahead`` (see ``FusedMoE.compile_kernels``)."""
+        ``graphcap.startup.compile_ahead`` (see ``FusedMoE.compile_kernels``)."""
         if isinstance(self.moe, FusedMoE):
             self.moe.compile_kernels(model, num_tokens)
 
@@ -262,7 +247,7 @@ def choice_store(device: torch.device) -> ChoiceStore | None:
         return None
     import triton
 
-    from graphcap import jit_cache
+    from graphcap.startup import jit_cache
 
     jit_cache.configure()
     namespace = f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|triton {triton.__version__}"
@@ -291,4 +276,4 @@ def make_ops(producer: str, device: torch.device | str | None, dtype: torch.dtyp
     if moe_impl == "auto":
         moe_impl = "grouped" if grouped_mm_supported(dev, dtype) else "loop"
     moe = moe_torch_grouped if moe_impl == "grouped" else moe_torch_loop
-    return M3Ops(f"torch+{moe_impl}", norm_rope_write_torch, rmsnorm_torch, add_rmsnorm_torch, mlp_torch, moe)
+    return M3Ops(f"torch+{moe_impl}", norm_rope_write_torch, gemma_rmsnorm, add_rmsnorm_torch, mlp_torch, moe)

@@ -1,195 +1,113 @@
-"""A small transformer that proves graphcap without MiniMax-M3 (tests, benchmark, the README example).
+"""The toy transformer on the paged KV cache, an attention backend and the generic runner.
 
-Per layer: RMSNorm -> fused QKV -> cache write (producer, slot -1 skipped) -> attention
-(splice point, planned per step) -> o_proj -> RMSNorm -> GELU MLP. The KV cache is one
-contiguous row of ``max_len`` slots per sequence; slot ``seq * max_len + pos``.
+The same layers as the bare toy (``models.toy.bare``), but the cache is the project's
+``PagedKVCache`` (dense layers only: no index-K) and attention is the backend's ``dense``
+splice, so the model runs through ``models.runner.ModelRunner`` exactly as MiniMax-M3 does:
+requests, chunked steps, capture, validation, audits::
+
+    runner = build_toy_runner(ToyConfig(), capture=CaptureConfig(enabled=True, debug_eager=True))
+    runner.add_request("a")
+    out = runner.step([TokenChunk("a", 0, [1, 2, 3])])
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Mapping
 
 import torch
-from torch import nn
 
-from graphcap import InputSpec, Padding, StaticInputs, Step, splice
+from attention.base import AttentionBackend
+from attention.dims import AttentionDims
+from attention.registry import make_backend
+from distributed import ParallelGroup
+from graphcap import CaptureConfig
+from graphcap.splice_buffers import SpliceBuffers
+from kvcache.paged import KVCacheConfig, PagedKVCache
+from models.runner import ModelRunner, OpTable, capture_reserve
+
+from .config import ToyConfig, ToyWeights
 
 
-@dataclass(frozen=True)
-class ToyConfig:
-    num_layers: int = 2
-    hidden: int = 64
-    num_heads: int = 4
-    vocab: int = 128
-    max_seqs: int = 8
-    max_len: int = 64
-    max_tokens: int = 64
+class ToyOps(OpTable):
+    """Plain torch throughout: no kernel choices, nothing to compile ahead."""
+
+    name = "torch"
+    tuner = None
+
+
+class ToyModel(ToyWeights):
+    """The toy as a ``models.runner.RunnerModel`` (see the module docstring)."""
+
+    def __init__(self, cfg: ToyConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(cfg, device, dtype)
+        self.config = cfg
+        self.requires_grad_(False)
+        self.ops = ToyOps()
+        self.group = ParallelGroup.single(device)
+        self.cache: PagedKVCache | None = None
+        self.backend: AttentionBackend | None = None
+        self.splice_buffers: SpliceBuffers | None = None
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.num_heads
+    def vocab_size(self) -> int:
+        return self.config.vocab
 
+    def kv_cache_config(self, num_pages: int, max_seqs: int, max_pages_per_seq: int, device: torch.device | str,
+                        capture_rows: int, capture_pages: int) -> KVCacheConfig:
+        """The paged cache this model reads: every layer dense (no index-K)."""
+        c = self.config
+        return KVCacheConfig(num_layers=c.num_layers, sparse_layers=(), num_kv_heads=c.num_heads, head_dim=c.head_dim,
+                             index_dim=1, page_size=c.page_size, num_pages=num_pages, max_seqs=max_seqs,
+                             max_pages_per_seq=max_pages_per_seq, dtype=self.lm_head.weight.dtype, device=device,
+                             capture_rows=capture_rows, capture_pages=capture_pages)
 
-def toy_static_inputs(cfg: ToyConfig, device: torch.device | str) -> StaticInputs:
-    return StaticInputs(
-        [
-            InputSpec("input_ids", torch.int64, 0),
-            InputSpec("positions", torch.int64, 0),
-            InputSpec("slot_mapping", torch.int64, -1),
-        ],
-        cfg.max_tokens,
-        device,
-    )
+    def attach(self, cache: PagedKVCache, backend: AttentionBackend) -> None:
+        """Use ``cache`` and ``backend``; allocates the splice buffers (q and the attention
+        output cross the splice) for the backend's step capacity."""
+        c = self.config
+        if (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) != (
+                c.num_layers, c.num_heads, c.head_dim):
+            raise ValueError("the cache does not match the toy's layers and heads; build it with kv_cache_config")
+        self.cache, self.backend = cache, backend
+        buf = SpliceBuffers(backend.dims.max_tokens, cache.block_tables.device)
+        buf.add("q", (c.num_heads, c.head_dim), self.lm_head.weight.dtype)
+        buf.add("attn_out", (c.num_heads, c.head_dim), self.lm_head.weight.dtype)
+        self.splice_buffers = buf
 
-
-class ToyAttention:
-    """Causal attention over each token's sequence row, planned once per step.
-
-    ``plan`` writes per-token sequence ids and visible lengths into persistent device buffers
-    (padded rows: length 0), so the splice reads only fixed-size device state and is
-    graph-safe for decode.
-    """
-
-    def __init__(self, cfg: ToyConfig, device: torch.device | str) -> None:
-        self.cfg = cfg
-        self.seq_buf = torch.zeros(cfg.max_tokens, dtype=torch.int64, device=device)
-        self.len_buf = torch.zeros(cfg.max_tokens, dtype=torch.int64, device=device)
-        self.calls: list[tuple[int, int]] = []  # (layer, real tokens), when recording is on
-        self.record = False
-
-    def plan(self, token_seq: torch.Tensor, token_len: torch.Tensor, rows: int) -> None:
-        """token_seq, token_len: int64 [n] host tensors; rows >= n (the padded bucket)."""
-        if rows > self.cfg.max_tokens:
-            raise ValueError(f"step of {rows} rows exceeds ToyAttention capacity {self.cfg.max_tokens}")
-        n = token_seq.shape[0]
-        self.seq_buf[:n].copy_(token_seq, non_blocking=True)
-        self.len_buf[:n].copy_(token_len, non_blocking=True)
-        self.seq_buf[n:rows].fill_(0)
-        self.len_buf[n:rows].fill_(0)
-        self.real_tokens = n
-
-    @splice("toy.attention", graph_safe_decode=True)
-    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        """q, out: [T, H, Dh]; k_cache, v_cache: [max_seqs + 1, max_len, H, Dh] of this layer."""
-        if self.record:
-            self.calls.append((layer, self.real_tokens))
-        t = q.shape[0]
-        seq, length = self.seq_buf[:t], self.len_buf[:t]
-        k, v = k_cache[seq], v_cache[seq]  # [T, L, H, Dh]
-        scores = torch.einsum("thd,tlhd->thl", q.float(), k.float()) / q.shape[-1] ** 0.5
-        visible = torch.arange(k.shape[1], device=q.device)[None, :] < length[:, None]  # [T, L]
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing visible -> 0
-        out.copy_(torch.einsum("thl,tlhd->thd", probs, v.float()).to(out.dtype))
-
-
-class ToyLayer(nn.Module):
-    def __init__(self, cfg: ToyConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.input_norm = nn.RMSNorm(cfg.hidden)
-        self.qkv_proj = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
-        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.post_norm = nn.RMSNorm(cfg.hidden)
-        self.up_proj = nn.Linear(cfg.hidden, 4 * cfg.hidden, bias=False)
-        self.down_proj = nn.Linear(4 * cfg.hidden, cfg.hidden, bias=False)
-
-
-class ToyTransformer(nn.Module):
-    def __init__(self, cfg: ToyConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(ToyLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(cfg.hidden)
-        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.to(device=device, dtype=dtype)
-        shape = (cfg.num_layers, cfg.max_seqs + 1, cfg.max_len, cfg.num_heads, cfg.head_dim)  # +1: sink row
-        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.attention = ToyAttention(cfg, device)
-
-    def cache_tensors(self) -> dict[str, torch.Tensor]:
-        return {"k": self.k_cache, "v": self.v_cache}
-
-    def _write_cache(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # Padded rows carry slot -1; they land in the sink row, which no sequence owns.
-        sink = self.cfg.max_seqs * self.cfg.max_len
-        idx = torch.where(slots >= 0, slots, torch.full_like(slots, sink))
-        h, d = self.cfg.num_heads, self.cfg.head_dim
-        self.k_cache[layer].view(-1, h, d).index_copy_(0, idx, k)
-        self.v_cache[layer].view(-1, h, d).index_copy_(0, idx, v)
-
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """inputs: input_ids, positions, slot_mapping [T] int64 -> logits [T, vocab]."""
-        cfg = self.cfg
+    def hidden_states(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``input_ids``, ``positions``, ``slot_mapping`` ``[T]`` -> final-normed ``[T, hidden]``."""
+        c, cache, buf = self.config, self.cache, self.splice_buffers
+        if cache is None or buf is None:
+            raise RuntimeError("attach(cache, backend) before running the forward")
         x = self.embed(inputs["input_ids"])
         t = x.shape[0]
         for i, layer in enumerate(self.layers):
-            h = layer.input_norm(x)
-            q, k, v = layer.qkv_proj(h).view(t, 3, cfg.num_heads, cfg.head_dim).unbind(1)
-            self._write_cache(i, inputs["slot_mapping"], k, v)
-            attn = torch.empty_like(q)
-            self.attention(i, q, self.k_cache[i], self.v_cache[i], attn)
-            x = x + layer.o_proj(attn.reshape(t, cfg.hidden))
+            q, k, v = layer.qkv_proj(layer.input_norm(x)).view(t, 3, c.num_heads, c.head_dim).unbind(1)
+            cache.write(i, inputs["slot_mapping"], k, v)
+            qb = buf.view("q", t)
+            qb.copy_(q)
+            out = buf.view("attn_out", t).zero_()  # rows attention leaves untouched (padding) stay 0
+            self.backend.dense(i, qb, out)
+            x = x + layer.o_proj(out.reshape(t, c.hidden))
             x = x + layer.down_proj(torch.nn.functional.gelu(layer.up_proj(layer.post_norm(x))))
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
-@dataclass
-class ToyBatch:
-    """Host-side description of a step: per-token sequence ids and positions."""
-
-    token_seq: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-
-
-def make_step(cfg: ToyConfig, chunks: list[tuple[int, int, int]], generator: torch.Generator | None = None) -> Step:
-    """A step from ``(seq, start_pos, num_tokens)`` chunks with random token ids."""
-    seqs, pos = [], []
-    for seq, start, n in chunks:
-        if not 0 <= seq < cfg.max_seqs or start + n > cfg.max_len:
-            raise ValueError(f"chunk {(seq, start, n)} does not fit max_seqs={cfg.max_seqs}, max_len={cfg.max_len}")
-        seqs += [seq] * n
-        pos += list(range(start, start + n))
-    token_seq = torch.tensor(seqs, dtype=torch.int64)
-    positions = torch.tensor(pos, dtype=torch.int64)
-    ids = torch.randint(0, cfg.vocab, (len(seqs),), generator=generator)
-    return Step(
-        num_tokens=len(seqs),
-        num_seqs=len(chunks),
-        inputs={"input_ids": ids, "positions": positions, "slot_mapping": token_seq * cfg.max_len + positions},
-        uniform_decode=all(n == 1 for _, _, n in chunks),
-        metadata=ToyBatch(token_seq, positions),
-    )
+def build_toy_runner(cfg: ToyConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+                     backend: str = "torch", max_tokens: int = 64, max_seqs: int = 4, max_seq_len: int = 64,
+                     capture: CaptureConfig | None = None, seed: int = 0) -> ModelRunner:
+    """A runner over a toy with random weights (``torch.manual_seed(seed)``), a paged cache of
+    ``max_seqs`` full sequences plus the capture reserve, and the attention ``backend``."""
+    torch.manual_seed(seed)
+    model = ToyModel(cfg, device, dtype)
+    pages_per_seq = -(-max_seq_len // cfg.page_size)
+    rows, pages = capture_reserve(max_tokens, max_seqs, cfg.page_size, pages_per_seq * cfg.page_size)
+    cache = PagedKVCache(model.kv_cache_config(pages_per_seq * max_seqs, max_seqs, pages_per_seq, device, rows, pages))
+    dims = AttentionDims.for_cache(cache, cfg.num_heads, 1, max_tokens)
+    return ModelRunner(model, cache, make_backend(backend, cache, dims), max_tokens, max_seqs, capture)
 
 
-def toy_prepare(model: ToyTransformer):
-    """The ``prepare(step, padding)`` hook: plan the attention once per step."""
-
-    def prepare(step: Step, padding: Padding) -> None:
-        meta: ToyBatch = step.metadata
-        model.attention.plan(meta.token_seq, meta.positions + 1, padding.rows)
-
-    return prepare
-
-
-def toy_dummy_step(cfg: ToyConfig):
-    """The ``dummy_step(bucket, whole_graph)`` hook: a step of ``bucket`` tokens (one token per
-    request for a whole decode graph; the toy's cache rows may repeat, its attention is
-    planned per token)."""
-
-    def dummy(bucket: int, whole_graph: bool) -> Step:
-        if whole_graph:
-            chunks = [(i % cfg.max_seqs, (i // cfg.max_seqs) % cfg.max_len, 1) for i in range(bucket)]
-        else:
-            chunks = []
-            left = bucket
-            while left:
-                n = min(left, cfg.max_len)
-                chunks.append((len(chunks) % cfg.max_seqs, 0, n))
-                left -= n
-        return make_step(cfg, chunks)
-
-    return dummy
+__all__ = ["ToyModel", "ToyOps", "build_toy_runner"]

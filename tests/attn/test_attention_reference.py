@@ -7,16 +7,17 @@ import pytest
 import torch
 from helpers.paged import PagedScenario, planned
 
-from attention import BACKENDS, AttentionBackend, AttentionDims, TokenChunk, make_backend
+from attention import BACKENDS, AttentionBackend, AttentionDims, make_backend
 from attention.backends.split import LayerSplit
 from attention.backends.torch import TorchAttention
 from attention.backends.triton import TritonAttention
 from attention.reference.dense import dense_attention_ref
 from attention.reference.indexer import index_topk_ref
 from attention.reference.sparse import sparse_attention_ref
-from graphcap import Padding, Step, step_context
+from graphcap import GraphKey, Padding, Step, step_context
 from graphcap.splice import call_splice
 from kvcache.paged import PagedKVCache
+from steps import TokenChunk
 
 # (Hq, Hkv, D, Di, B, topk, [(context L, query tokens n), ...]); queries are the last n positions.
 CASES = [
@@ -189,8 +190,8 @@ def test_backend_ops_are_splice_points_declared_once():
         assert cls.dense is AttentionBackend.dense and cls.sparse is AttentionBackend.sparse  # no per-backend copies
     assert AttentionBackend.dense.graphcap_splice.name == "attention.dense"
     assert AttentionBackend.sparse.graphcap_splice.name == "attention.sparse"
-    whole = Padding.bucketed(2, 2, 2, whole_graph=True)
-    assert not AttentionBackend.sparse.graphcap_splice.graph_safe((be,), whole)  # torch: host loops
+    decode = Padding.for_graph(2, 2, GraphKey(2, True))
+    assert not AttentionBackend.sparse.graphcap_splice.graph_safe((be,), decode)  # torch: host loops
 
     class Driver:
         seen: list[str] = []
@@ -214,8 +215,8 @@ def test_layer_split_composes_and_answers_per_part():
     sc = Scenario(4, 2, 8, 8, 4, [(9, 2), (5, 1)], seed=6)
     dims = dims_for(sc, 2, 8)
     split = LayerSplit(dense=TorchAttention(sc.cache, dims), sparse=TritonAttention(sc.cache, dims))
-    whole = Padding.bucketed(4, 4, 4, whole_graph=True)
-    assert not split.dense_graph_safe(whole) and split.sparse_graph_safe(whole)
+    decode = Padding.for_graph(4, 4, GraphKey(4, True))
+    assert not split.dense_graph_safe(decode) and split.sparse_graph_safe(decode)
     assert set(split.graph_tensors()) == {"dense.topk_buf", "sparse.topk_buf"}
     assert split.topk_buf is split.sparse_part.topk_buf
     q = sc.q.float()

@@ -26,11 +26,12 @@ from attention.backends.flashinfer import (
 )
 from attention.base import AttentionBackend
 from attention.dims import AttentionDims
-from attention.metadata import MetadataBuilder, TokenChunk
+from attention.metadata import MetadataBuilder
 from attention.reference.dense import dense_attention_ref
-from graphcap import Padding, Step
-from graphcap.validation import relative_error
+from graphcap import GraphKey, Padding, Step
+from graphcap.verify.compare import relative_error
 from kvcache.paged import KVCacheConfig, PagedKVCache
+from steps import TokenChunk
 
 HQ, HKV, D, PAGE = 64, 4, 128, 128
 
@@ -96,10 +97,10 @@ def test_gathered_page_ids_are_the_cache_pages(seed):
     chunks = [TokenChunk(s, n - 1, [0]) if decode else TokenChunk(s, max(0, n - 3), [0] * min(n, 3))
               for s, n in zip(ids, lens)]
     meta = MetadataBuilder(cache, max_tokens=32, max_seqs=6).build(chunks)
-    rows = meta.num_seqs + (1 if decode else 0)  # a whole decode graph pads request rows
+    rows = meta.num_seqs + (1 if decode else 0)  # a decode graph pads request rows
     indptr, _ = paged_kv_layout(meta.kv_lens_host, rows, page)
     out = torch.full((int(indptr[-1]),), -7, dtype=torch.int32)
-    gather_page_indices(indptr, meta.buffers.seq_slots[:rows], meta.block_tables, out)
+    gather_page_indices(indptr, meta.buffers.table_rows[:rows], meta.block_tables, out)
     want = [p for s, n in zip(ids, lens) for p in cache.pages(s)[: -(-n // page)]]
     assert out.tolist() == want
 
@@ -123,15 +124,15 @@ def test_cpu_cache_is_refused_even_with_flashinfer(monkeypatch):
 
 
 def test_dense_is_the_base_splice_graph_safe_per_bucket():
-    """The splice is declared once in the base; flashinfer answers per bucket: a whole decode
+    """The splice is declared once in the base; flashinfer answers per bucket: a decode
     graph is safe exactly for the batch sizes init_capture made graph-mode wrappers for."""
     assert FlashinferAttention.dense is AttentionBackend.dense
     op = AttentionBackend.dense.graphcap_splice
     assert op.name == "attention.dense"
     fake = FlashinferAttention.__new__(FlashinferAttention)
     fake._decode = {1: object(), 6: object()}
-    assert op.graph_safe((fake,), Padding.bucketed(5, 5, 6, whole_graph=True))
-    assert not op.graph_safe((fake,), Padding.bucketed(3, 3, 4, whole_graph=True))
+    assert op.graph_safe((fake,), Padding.for_graph(5, 5, GraphKey(6, True)))
+    assert not op.graph_safe((fake,), Padding.for_graph(3, 3, GraphKey(4, True)))
 
 
 # ---- GPU: flashinfer against the reference ------------------------------------------------
@@ -177,8 +178,8 @@ def test_flashinfer_dense_matches_reference(mode, ctx):
     cache.k_cache.normal_(), cache.v_cache.normal_()
     meta = MetadataBuilder(cache, max_tokens=1024, max_seqs=8, device="cuda").build(chunks)
     n, b = meta.num_tokens, meta.num_seqs
-    # decode_padded: a whole decode graph of 8 with 3 padded requests; decode_eager: batch 5 has no wrapper
-    padding = Padding.bucketed(n, b, 8, whole_graph=True) if mode == "decode_padded" else Padding.unpadded(n, b)
+    # decode_padded: a decode graph of 8 with 3 padded requests; decode_eager: batch 5 has no wrapper
+    padding = Padding.for_graph(n, b, GraphKey(8, True)) if mode == "decode_padded" else Padding.unpadded(n, b)
     attn = FlashinferAttention(cache, dims(cache))
     attn.init_capture((1,) if mode == "decode_eager" else (1, 2, 4, 5, 8), 8)
     q = torch.randn(padding.rows, HQ, D, device="cuda").to(torch.bfloat16)
@@ -190,7 +191,7 @@ def test_flashinfer_dense_matches_reference(mode, ctx):
 
 
 @pytest.mark.cuda
-def test_whole_graph_without_a_wrapper_is_refused_in_plan():
+def test_decode_graph_without_a_wrapper_is_refused_in_plan():
     pytest.importorskip("flashinfer")
     lens, chunks = batch("decode", 1024)
     cache = new_cache(pages_needed(lens, PAGE) + 4, PAGE, max_seqs=8, max_pages_per_seq=8, device="cuda")
@@ -199,7 +200,7 @@ def test_whole_graph_without_a_wrapper_is_refused_in_plan():
     attn = FlashinferAttention(cache, dims(cache))
     attn.init_capture((1, 2), 8)
     with pytest.raises(ValueError, match="no graph-mode flashinfer wrapper"):
-        with planned(attn, step_of(meta, True), Padding.bucketed(5, 5, 6, whole_graph=True)):
+        with planned(attn, step_of(meta, True), Padding.for_graph(5, 5, GraphKey(6, True))):
             pass
     with pytest.raises(ValueError, match="exceed the flashinfer buffers"):
         attn.init_capture((16,), 8)
@@ -224,7 +225,7 @@ def test_decode_graph_replays_a_new_plan():
     meta_a = builder.build([TokenChunk(s, n - 1, [0]) for s, n in zip(a, lens_a)])
     q = torch.randn(4, HQ, D, device="cuda").to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    with planned(attn, step_of(meta_a, True), Padding.bucketed(3, 3, 4, whole_graph=True)):
+    with planned(attn, step_of(meta_a, True), Padding.for_graph(3, 3, GraphKey(4, True))):
         attn.dense(0, q, out)  # eager run of the plan the graph is captured with
         torch.cuda.synchronize()
         check(out, reference(q, cache, meta_a), meta_a)
@@ -240,7 +241,7 @@ def test_decode_graph_replays_a_new_plan():
     add_seqs(cache, b, lens_b)
     assert [cache.pages(s)[0] for s in b[:3]] != [p[0] for p in pages_a]
     meta_b = builder.build([TokenChunk(s, n - 1, [0]) for s, n in zip(b, lens_b)])
-    with planned(attn, step_of(meta_b, True), Padding.bucketed(4, 4, 4, whole_graph=True)):
+    with planned(attn, step_of(meta_b, True), Padding.for_graph(4, 4, GraphKey(4, True))):
         q.copy_(torch.randn(4, HQ, D, device="cuda").to(torch.bfloat16))
         out.fill_(float("nan"))
         graph.replay()

@@ -246,9 +246,9 @@ def test_tiled_rejects_bad_arguments():
 # ---- compile for Hopper (no GPU needed) -----------------------------------------------------
 
 
-IDX_PTRS = {"bt_ptr": "i32", "seq_slots_ptr": "i32", "token_seq_ptr": "i32", "pos_ptr": "i64", "slot_ptr": "i64",
+IDX_PTRS = {"bt_ptr": "i32", "table_rows_ptr": "i32", "token_seq_ptr": "i32", "pos_ptr": "i64", "slot_ptr": "i64",
             "part_ptr": "i64", "out_ptr": "i32", "tiles_ptr": "i32"}
-ATTN_PTRS = {"sel_ptr": "i32", "bt_ptr": "i32", "seq_slots_ptr": "i32", "token_seq_ptr": "i32", "pos_ptr": "i64",
+ATTN_PTRS = {"sel_ptr": "i32", "bt_ptr": "i32", "table_rows_ptr": "i32", "token_seq_ptr": "i32", "pos_ptr": "i64",
              "slot_ptr": "i64", "po_ptr": "fp32", "plse_ptr": "fp32", "tiles_ptr": "i32"}
 
 

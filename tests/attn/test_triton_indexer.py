@@ -12,8 +12,8 @@ from helpers.paged import DEV, PagedScenario
 from helpers.triton_compile import run_compile_reports
 
 from attention.kernels import indexer as indexer_triton
-from attention.metadata import TokenChunk
 from attention.reference.indexer import block_scores, index_topk_ref
+from steps import TokenChunk
 
 
 class Scenario(PagedScenario):
@@ -141,7 +141,7 @@ def test_rejects_bad_arguments():
 # ---- compile for Hopper (no GPU needed) -------------------------------------------------
 
 
-IDX_PTRS = dict(bt_ptr="i32", seq_slots_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64", part_ptr="i64",
+IDX_PTRS = dict(bt_ptr="i32", table_rows_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64", part_ptr="i64",
                 out_ptr="i32")
 
 
@@ -175,7 +175,7 @@ def ref_scores(sc):
     out = []
     for b in range(m.num_seqs):
         length = int(m.kv_lens_host[b])
-        ik = paged_gather(sc.cache.index_k_cache[0], m.block_tables, int(m.seq_slots_host[b]), length).float()
+        ik = paged_gather(sc.cache.index_k_cache[0], m.block_tables, int(m.table_rows_host[b]), length).float()
         s = block_scores(sc.iq[indptr[b] : indptr[b + 1]].float(), ik, m.positions[indptr[b] : indptr[b + 1]], bs)
         out.append(torch.nn.functional.pad(s, (0, nblk - s.shape[-1]), value=float("-inf")))
     return torch.cat(out, dim=1)

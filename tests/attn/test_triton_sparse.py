@@ -16,11 +16,11 @@ from attention.backends.torch import TorchAttention
 from attention.backends.triton import TritonAttention
 from attention.dims import AttentionDims
 from attention.kernels import sparse as sparse_triton
-from attention.metadata import TokenChunk
 from attention.reference.dense import dense_attention_ref
 from attention.reference.indexer import index_topk_ref
 from attention.reference.sparse import sparse_attention_ref
-from graphcap import Padding, step_context
+from graphcap import GraphKey, Padding, step_context
+from steps import TokenChunk
 
 # bf16 operands with fp32 accumulation; fp32 inputs run fp32 ("ieee") dots, also on a GPU.
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
@@ -73,7 +73,7 @@ def gather_sparse_ref(q, k_l, v_l, sel, meta, scale, T, chunk=32):
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         s = sel[:, t0:t1].long().permute(1, 0, 2)  # [n, Hkv, K]
-        srow = buf.seq_slots[buf.token_seq[t0:t1].long()].long()
+        srow = buf.table_rows[buf.token_seq[t0:t1].long()].long()
         pages = bt[srow[:, None, None], s.clamp(min=0)].long()
         grp = torch.arange(Hkv, device=q.device)[None, :, None]
         k, v = kp[pages, grp].float(), vp[pages, grp].float()  # [n, Hkv, K, B, D]
@@ -143,9 +143,9 @@ def test_backend_matches_torch_backend(decode):
     specs = [(37, 1), (12, 1), (50, 1)] if decode else [(37, 9), (12, 1), (50, 2)]
     sc = Scenario(specs, 4, 2, 32, 4, 3, seed=50 + decode, dtype=torch.float32)
     tri, ref = TritonAttention(sc.cache, sc.dims()), TorchAttention(sc.cache, sc.dims())
-    rows = sc.q.shape[0] if decode else sc.T  # a whole decode graph carries pad rows
+    rows = sc.q.shape[0] if decode else sc.T  # a decode graph carries pad rows
     n, b = sc.T, sc.meta.num_seqs
-    padding = Padding.bucketed(n, b, rows, whole_graph=True) if decode else Padding.unpadded(n, b)
+    padding = Padding.for_graph(n, b, GraphKey(rows, True)) if decode else Padding.unpadded(n, b)
     outs = {}
     for name, be in (("triton", tri), ("torch", ref)):
         o_sparse, o_dense = sc.poisoned_out(rows), sc.poisoned_out(rows)
@@ -167,7 +167,7 @@ def test_decode_reads_only_device_buffers():
     be = TritonAttention(sc.cache, sc.dims(4))
     q, iq = sc.q.clone(), sc.iq.clone()
     o_sparse, o_dense = sc.poisoned_out(), sc.poisoned_out()
-    old_step, old_padding = sc.step(), Padding.bucketed(3, 3, 4, whole_graph=True)
+    old_step, old_padding = sc.step(), Padding.for_graph(3, 3, GraphKey(4, True))
     with planned(be, old_step, old_padding):
         be.sparse(1, q, iq, o_sparse)
         be.dense(0, q, o_dense)
@@ -203,7 +203,7 @@ def test_rejects_bad_arguments():
 # ---- compile for Hopper (no GPU needed) -------------------------------------------------
 
 
-ATTN_PTRS = dict(sel_ptr="i32", bt_ptr="i32", seq_slots_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64",
+ATTN_PTRS = dict(sel_ptr="i32", bt_ptr="i32", table_rows_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64",
                  po_ptr="fp32", plse_ptr="fp32")
 
 
@@ -286,7 +286,7 @@ def test_cuda_graph_replay_with_new_metadata():
         be.sparse(1, q, iq, o_sparse)
         be.dense(0, q, o_dense)
 
-    with planned(be, sc.step(), Padding.bucketed(4, 4, bucket, whole_graph=True)):
+    with planned(be, sc.step(), Padding.for_graph(4, 4, GraphKey(bucket, True))):
         step()  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -301,7 +301,7 @@ def test_cuda_graph_replay_with_new_metadata():
     sc.q, sc.iq = q, iq
     o_sparse.fill_(float("nan"))
     o_dense.fill_(float("nan"))
-    with planned(be, sc.step(), Padding.bucketed(3, 3, bucket, whole_graph=True)):
+    with planned(be, sc.step(), Padding.for_graph(3, 3, GraphKey(bucket, True))):
         graph.replay()
     torch.cuda.synchronize()
     sel = be.topk_buf[:, : sc.T].clone()

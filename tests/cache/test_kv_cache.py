@@ -33,7 +33,7 @@ def assert_same(a: dict, b: dict) -> None:
     ("num_layers", 0), ("num_kv_heads", -1), ("head_dim", 1.5), ("index_dim", 0), ("page_size", 0),
     ("num_pages", 0), ("max_seqs", 0), ("max_pages_per_seq", 0), ("sparse_layers", (2, 1)),
     ("sparse_layers", (0, 3)), ("sparse_layers", (1, 1)), ("dtype", "bf16"), ("index_dtype", 3),
-    ("seq_slot_headroom", -1), ("device", "nonsense"),
+    ("table_row_headroom", -1), ("device", "nonsense"),
 ])
 def test_config_rejects_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -41,23 +41,23 @@ def test_config_rejects_bad_field(field, value):
 
 
 def test_shapes_and_initial_state():
-    c = make(seq_slot_headroom=2)
+    c = make(table_row_headroom=2)
     assert c.k_cache.shape == (3, 12, 4, 2, 8) and c.v_cache.shape == (3, 12, 4, 2, 8)
     assert c.index_k_cache.shape == (2, 12, 4, 4)
     assert c.k_cache[1].is_contiguous()  # flashinfer's NHD layout per layer
     assert c.config.max_live_seqs == 5 and c.block_tables.shape == (6, 5)
     assert c.block_tables.dtype == torch.int32 and (c.block_tables == -1).all()
-    assert c.pad_seq_slot == 5
+    assert c.pad_table_row == 5
     assert c.sparse_index(1) == 0 and c.sparse_index(2) == 1
     with pytest.raises(ValueError, match="not a sparse layer"):
         c.sparse_index(0)
-    assert make().config.seq_slot_headroom == 3  # default headroom: one whole batch
+    assert make().config.table_row_headroom == 3  # default headroom: one whole batch
 
 
 def test_headroom_lets_finishing_and_new_sequences_coexist():
-    c = make(max_seqs=2, seq_slot_headroom=1)
+    c = make(max_seqs=2, table_row_headroom=1)
     rows = [c.add_sequence(i) for i in range(3)]  # 2 running + 1 admitted before a free
-    assert sorted(rows) == [0, 1, 2] and c.pad_seq_slot not in rows
+    assert sorted(rows) == [0, 1, 2] and c.pad_table_row not in rows
     with pytest.raises(RuntimeError, match="too many sequences"):
         c.add_sequence(3)
     c.free(1)
@@ -73,7 +73,7 @@ def test_block_table_and_slots_match_pages():
     c.reserve("a", 17)
     for s in ("a", "b"):
         pages = c.pages(s)
-        row = c.block_tables[c.seq_slot(s)]
+        row = c.block_tables[c.table_row(s)]
         assert row[: len(pages)].tolist() == pages and (row[len(pages):] == -1).all()
         n = c.num_reserved_tokens(s)
         assert n == len(pages) * 4
@@ -102,7 +102,7 @@ def test_free_resets_row_and_reuses_pages():
     c.add_sequence("a")
     c.reserve("a", 10)
     pa = c.pages("a")
-    row = c.seq_slot("a")
+    row = c.table_row("a")
     c.free("a")
     assert (c.block_tables[row] == -1).all() and c.num_free_pages == 12 and not c.has_sequence("a")
     c.add_sequence("b")
@@ -177,7 +177,7 @@ def test_error_paths():
         c.reserve("a", 13)
     assert_same(before, snapshot(c))
     for call in (lambda: c.reserve("zz", 1), lambda: c.slots("zz", 0, 1), lambda: c.free("zz"),
-                 lambda: c.seq_slot("zz"), lambda: c.num_reserved_tokens("zz")):
+                 lambda: c.table_row("zz"), lambda: c.num_reserved_tokens("zz")):
         with pytest.raises(ValueError, match="unknown sequence"):
             call()
     with pytest.raises(ValueError, match="already in the cache"):
@@ -193,8 +193,9 @@ def test_error_paths():
 
 
 def test_reused_pages_never_leak_old_contents_into_attention():
-    from attention.metadata import MetadataBuilder, TokenChunk
+    from attention.metadata import MetadataBuilder
     from attention.reference.dense import dense_attention_ref
+    from steps import TokenChunk
 
     torch.manual_seed(3)
     c = make(num_pages=3)

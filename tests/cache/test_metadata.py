@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from attention.metadata import MetadataBuilder, TokenChunk
+from attention.metadata import MetadataBuilder
 from kvcache.paged import KVCacheConfig, PagedKVCache
+from steps import TokenChunk
 
 
 def C(seq, start, n):  # noqa: N802 - a chunk of n placeholder tokens
@@ -31,7 +32,7 @@ def expected(cache, chunks, max_tokens, max_seqs):
     for i, c in enumerate(chunks):
         indptr.append(indptr[-1] + c.num_tokens)
         lens.append(c.start_pos + c.num_tokens)
-        rows.append(cache.seq_slot(c.seq_id))
+        rows.append(cache.table_row(c.seq_id))
         pages = cache.pages(c.seq_id)
         for p in range(c.start_pos, c.start_pos + c.num_tokens):
             tseq.append(i)
@@ -41,7 +42,7 @@ def expected(cache, chunks, max_tokens, max_seqs):
     return dict(
         qo_indptr=indptr + [t] * pad_s,
         kv_lens=lens + [0] * pad_s,
-        seq_slots=rows + [cache.pad_seq_slot] * pad_s,
+        table_rows=rows + [cache.pad_table_row] * pad_s,
         token_seq=tseq + [max_seqs] * pad_t,
         positions=pos + [0] * pad_t,
         slot_mapping=slots + [-1] * pad_t,
@@ -65,20 +66,20 @@ def test_mixed_batch_two_decodes_and_a_prefill_chunk():
     assert (m.num_tokens, m.num_seqs, m.max_q_len, m.max_kv_len) == (8, 3, 6, 14)
     assert m.qo_indptr.tolist() == [0, 1, 7, 8] and m.qo_indptr.dtype == torch.int32
     assert m.kv_lens.tolist() == [9, 14, 3] and m.kv_lens.dtype == torch.int32
-    rows = [cache.seq_slot(s) for s in ("d0", "p", "d1")]
-    assert m.seq_slots.tolist() == rows and m.seq_slots.dtype == torch.int32
+    rows = [cache.table_row(s) for s in ("d0", "p", "d1")]
+    assert m.table_rows.tolist() == rows and m.table_rows.dtype == torch.int32
     assert m.token_seq.tolist() == [0, 1, 1, 1, 1, 1, 1, 2] and m.token_seq.dtype == torch.int32
     assert m.positions.tolist() == [8, 8, 9, 10, 11, 12, 13, 2] and m.positions.dtype == torch.int64
     slots = cache.slots("d0", 8, 1) + cache.slots("p", 8, 6) + cache.slots("d1", 2, 1)
     assert m.slot_mapping.tolist() == slots and m.slot_mapping.dtype == torch.int64
     assert m.qo_indptr_host.tolist() == [0, 1, 7, 8] and m.kv_lens_host.tolist() == [9, 14, 3]
-    assert m.seq_slots_host.tolist() == rows and m.qo_indptr_host.device.type == "cpu"
+    assert m.table_rows_host.tolist() == rows and m.qo_indptr_host.device.type == "cpu"
     assert m.block_tables is cache.block_tables and m.page_size == 4
     # Views from offset 0 of the persistent buffers, whose tails hold pad values.
-    for name in ("qo_indptr", "kv_lens", "seq_slots", "token_seq", "positions", "slot_mapping"):
+    for name in ("qo_indptr", "kv_lens", "table_rows", "token_seq", "positions", "slot_mapping"):
         assert getattr(m, name).data_ptr() == getattr(builder.buffers, name).data_ptr()
     check_buffers(builder, chunks)
-    assert (cache.block_tables[m.buffers.seq_slots[3]] == -1).all()  # pad rows read an empty table
+    assert (cache.block_tables[m.buffers.table_rows[3]] == -1).all()  # pad rows read an empty table
 
 
 def test_views_past_the_real_rows_read_padding():
@@ -91,9 +92,9 @@ def test_views_past_the_real_rows_read_padding():
     assert m.max_q_len == 1
     p = m.buffers.views(4, 4)  # a whole decode graph of 4 rows over 3 requests
     assert p["qo_indptr"].tolist() == [0, 1, 2, 3, 3] and p["kv_lens"].tolist() == [5, 6, 7, 0]
-    assert p["seq_slots"].tolist()[3] == cache.pad_seq_slot
+    assert p["table_rows"].tolist()[3] == cache.pad_table_row
     assert p["slot_mapping"].tolist()[3] == -1 and p["positions"].tolist()[3] == 0 and p["token_seq"].tolist()[3] == 4
-    assert set(m.buffers.tensors()) == {"qo_indptr", "kv_lens", "seq_slots", "token_seq", "positions", "slot_mapping"}
+    assert set(m.buffers.tensors()) == {"qo_indptr", "kv_lens", "table_rows", "token_seq", "positions", "slot_mapping"}
 
 
 def test_repeated_builds_restore_pads():
@@ -158,11 +159,12 @@ def test_check_refuses_bad_steps_and_changes_nothing():
         "max_seqs=2": [C(s, 7, 1) for s in range(3)],
         "at least one TokenChunk": [],
         "request 0 appears twice": [C(0, 7, 1), C(0, 8, 1)],
-        r"request 'x' is unknown; add it first \(M3Runner.add_request": [C("x", 0, 1)],
+        r"request 'x' is unknown; add it first \(runner.add_request\('x'\)\)": [C("x", 0, 1)],
         "request 2: chunk at start_pos=9 skips past the 7 positions written": [C(2, 9, 1)],
         "request 2: chunk at start_pos=3 rewrites the 7 positions written so far.*rewind": [C(2, 3, 1)],
         r"request 1: token id 300 is outside the vocabulary \[0, 256\)": [TokenChunk(1, 7, [5, 300])],
         "a step is a sequence of TokenChunk": [(0, 7, 1)],
+        r"a step is a list of TokenChunk, got one TokenChunk \(request 0\); pass \[chunk\]": C(0, 7, 1),
         "would hold 33 positions": [C(0, 7, 26)],
     }
     for msg, chunks in bad.items():
@@ -170,7 +172,7 @@ def test_check_refuses_bad_steps_and_changes_nothing():
             builder.max_tokens = 40 if "33" in msg else 6
             builder.check(chunks, vocab_size=256)
     builder.max_tokens = 12
-    with pytest.raises(RuntimeError, match="needs 2 new KV pages but 0 of 9 are free"):
+    with pytest.raises(RuntimeError, match=r"needs 2 new KV pages \(request 0 1, request 1 1\) but 0 of 9 are free"):
         builder.check([C(0, 7, 6), C(1, 7, 6)])
     builder.max_tokens = 6
     for k, v in before.items():
@@ -192,7 +194,7 @@ def test_token_chunk_hygiene_names_the_request():
         (dict(token_ids=np.array([1.5])), "is not an integer token id"),
         (dict(token_ids=[True]), "is not an integer token id"),
         (dict(token_ids=[]), "at least one token"),
-        (dict(token_ids="abc"), "sequence of ints"),
+        (dict(token_ids="abc"), r"request 'r': token_ids must be a sequence of integers, got str"),
         (dict(start_pos=-1), "start_pos must be an integer >= 0"),
         (dict(start_pos=2.0), "start_pos must be an integer >= 0"),
         (dict(start_pos=True), "start_pos must be an integer >= 0"),

@@ -1,4 +1,4 @@
-"""graphcap.compile_ahead on a GPU: launches inside compile only, in parallel, and the real
+"""graphcap.startup.compile_ahead on a GPU: launches inside compile only, in parallel, and the real
 launches after it find their kernels built."""
 
 import threading
@@ -9,7 +9,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from graphcap.compile_ahead import compile_ahead, launching  # noqa: E402
+from graphcap.startup.compile_ahead import compile_ahead, launching  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

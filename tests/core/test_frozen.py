@@ -2,8 +2,8 @@
 
 import struct
 
-from graphcap.frozen import compare_segments, param_difference
-from graphcap.graph_nodes import GraphNode
+from graphcap.verify.frozen import compare_segments, param_difference
+from graphcap.verify.graph_nodes import GraphNode
 
 BASE = 0x7F00_0000_0000
 
@@ -94,7 +94,7 @@ FLAG = "_ZN2at6native11flag_kernelIcEEvibT_"
 
 
 def test_kernel_parameter_types_come_from_the_mangled_name():
-    from graphcap.kernel_types import demangle, split_parameters, stateless_params
+    from graphcap.verify.kernel_types import demangle, split_parameters, stateless_params
 
     sig = demangle(ELEMENTWISE)
     assert sig is not None and sig.startswith("void at::native::unrolled_elementwise_kernel<")

@@ -5,8 +5,18 @@ import dataclasses
 import pytest
 import torch
 
-from graphcap import CaptureConfig, CaptureManager, CaptureViolation, Padding, current_step, splice, step_context
-from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
+from graphcap import (
+    CaptureConfig,
+    CaptureManager,
+    CaptureViolation,
+    GraphKey,
+    Padding,
+    current_step,
+    splice,
+    step_context,
+)
+from models.toy import ToyConfig
+from models.toy.bare import ToySource, ToyTransformer, make_step, toy_static_inputs
 
 CFG = ToyConfig(num_layers=2, hidden=32, num_heads=4, vocab=64, max_seqs=6, max_len=32, max_tokens=32)
 
@@ -14,8 +24,7 @@ CFG = ToyConfig(num_layers=2, hidden=32, num_heads=4, vocab=64, max_seqs=6, max_
 def toy_manager(config: CaptureConfig, seed: int = 0):
     torch.manual_seed(seed)
     model = ToyTransformer(CFG)
-    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cpu"), config, prepare=toy_prepare(model),
-                             dummy_step=toy_dummy_step(CFG))
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cpu"), config, ToySource(model))
     manager.register("model", model)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     return model, manager
@@ -24,7 +33,7 @@ def toy_manager(config: CaptureConfig, seed: int = 0):
 def reference_logits(model, step):
     """Unpadded eager forward, no graphcap in the way."""
     padding = Padding.unpadded(step.num_tokens, step.num_seqs)
-    toy_prepare(model)(step, padding)
+    ToySource(model).plan(step, padding)
     with step_context(step, padding):
         return model.forward({**step.inputs, "num_real_tokens": torch.tensor([step.num_tokens])})
 
@@ -54,9 +63,10 @@ def test_debug_eager_matches_plain_eager(chunks):
     assert not stray.any(), "padded rows must not write the cache"
     padding = manager.padding_for(step)
     bucket = padding.rows
-    assert bucket == next(b for b in (manager.whole_buckets if step.uniform_decode else manager.buckets)
+    assert bucket == next(b for b in (manager.decode_buckets if step.uniform_decode else manager.piecewise_buckets)
                           if b >= step.num_tokens)
-    stats = manager.stats.bucket(bucket, padding.whole_graph)
+    stats = manager.stats.graph(GraphKey(bucket, padding.decode_graph))
+    assert stats.key == (bucket, padding.decode_graph) and stats.status == "eager"
     assert stats.hits == 1 and stats.padded_tokens == bucket - step.num_tokens
 
 
@@ -170,19 +180,20 @@ def test_report_renders_and_coverage_attributes_splice_ops():
     console = Console(record=True, width=160)
     print_report(manager, cov, console)
     text = console.export_text()
-    assert "graphcap buckets" in text and "toy.attention" in text and "segmented" in text
+    assert "graphcap graphs" in text and "toy.attention" in text and "piecewise" in text
 
 
 def test_one_padding_decision_reaches_prepare_and_the_splices():
-    """Whole decode graphs pad request rows to the bucket; segmented buckets keep the real ones."""
+    """Decode graphs pad request rows to the bucket; piecewise buckets keep the real ones."""
     model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, decode_buckets=(1, 2, 4)))
     seen = []
-    prepare = manager.prepare
-    manager.prepare = lambda step, padding: (seen.append(padding), prepare(step, padding))
-    manager.run(make_step(CFG, [(0, 3, 1), (1, 5, 1), (2, 7, 1)]))  # decode of 3: whole graph 4
-    manager.run(make_step(CFG, [(s, 1, 1) for s in range(6)]))  # decode of 6 > whole limit: segmented 8
-    manager.run(make_step(CFG, [(0, 0, 5)]))  # prefill: segmented 8
-    assert seen == [Padding(3, 3, 4, 4, True), Padding(6, 6, 8, 6, False), Padding(5, 1, 8, 1, False)]
+    plan = manager.source.plan
+    manager.source.plan = lambda step, padding: (seen.append(padding), plan(step, padding))
+    manager.run(make_step(CFG, [(0, 3, 1), (1, 5, 1), (2, 7, 1)]))  # decode of 3: decode graph 4
+    manager.run(make_step(CFG, [(s, 1, 1) for s in range(6)]))  # decode of 6 > decode limit: piecewise 8
+    manager.run(make_step(CFG, [(0, 0, 5)]))  # prefill: piecewise 8
+    assert seen == [Padding(3, 3, 4, 4, True, True), Padding(6, 6, 8, 6, False, True),
+                    Padding(5, 1, 8, 1, False, True)]
     assert manager.padding_for(make_step(CFG, [(0, 0, 30), (1, 0, 10)])) == Padding.unpadded(40, 2)  # above the ceiling
 
 
@@ -219,14 +230,14 @@ def test_mode_decides_which_steps_take_graphs(mode):
     manager.run(make_step(CFG, [(0, 0, 4), (1, 0, 6), (3, 0, 2)], g))  # context for the decodes
     decode = make_step(CFG, [(0, 4, 1), (1, 6, 1), (3, 2, 1)], g)  # 3 rows: bucket 4 pads
     mixed = make_step(CFG, [(2, 0, 5), (0, 5, 1)], g)
-    expect = {  # (decode: whole graph?, padded?), (mixed: padded?)
+    expect = {  # (decode: decode graph?, padded?), (mixed: padded?)
         "none": ((False, False), False),
         "decode": ((True, True), False),
         "piecewise": ((False, True), True),
         "full_and_piecewise": ((True, True), True),
     }[mode]
     pd, pm = manager.padding_for(decode), manager.padding_for(mixed)
-    assert (pd.whole_graph, pd.rows > decode.num_tokens) == expect[0]
+    assert (pd.decode_graph, pd.rows > decode.num_tokens) == expect[0]
     assert (pm.rows > mixed.num_tokens) == expect[1]
     for step in (decode, mixed):
         k_before = model.k_cache.clone()
@@ -235,3 +246,47 @@ def test_mode_decides_which_steps_take_graphs(mode):
         torch.testing.assert_close(out, reference_logits(model, step), rtol=1e-5, atol=1e-5)
     eager_by_mode = {"none": 3, "decode": 2, "piecewise": 0, "full_and_piecewise": 0}[mode]
     assert manager.stats.eager_steps == eager_by_mode and manager.stats.fallbacks == 0
+
+
+def test_keys_and_bucket_names():
+    """Graph keys are GraphKeys in capture order; the previous release's bucket names warn."""
+    _, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, decode_buckets=(1, 2, 4)))
+    keys = manager.keys()
+    assert keys and all(isinstance(k, GraphKey) for k in keys)
+    assert keys == sorted(keys, key=lambda k: (-k.rows, k.decode))  # largest first, piecewise before decode
+    assert {k for k in keys if k.decode} == {GraphKey(b, True) for b in manager.decode_buckets}
+    assert {k for k in keys if not k.decode} == {GraphKey(b, False) for b in manager.piecewise_buckets}
+    assert manager.decode_buckets == (1, 2, 4) and manager.piecewise_buckets == (8, 12, 16, 24, 32)
+    with pytest.warns(DeprecationWarning, match="CaptureManager.buckets is deprecated.*piecewise_buckets"):
+        assert manager.buckets == manager.piecewise_buckets
+    with pytest.warns(DeprecationWarning, match="CaptureManager.whole_buckets is deprecated.*decode_buckets"):
+        assert manager.whole_buckets == manager.decode_buckets
+    assert manager.graph(8) is None and manager.graph(GraphKey(4, True)) is None  # CPU: no graphs, ever
+    assert len(manager.table) == 0 and GraphKey(8, False) not in manager.table and manager.failures == {}
+
+
+def test_toy_source_dummy_steps_are_seeded_per_key_and_purpose():
+    from graphcap import Purpose
+
+    model = ToyTransformer(CFG)
+    source = ToySource(model)
+    for key in (GraphKey(4, True), GraphKey(12, False)):
+        steps = {p: source.dummy_step(key, p) for p in Purpose}
+        again = {p: source.dummy_step(key, p) for p in Purpose}
+        for p in Purpose:
+            assert steps[p].num_tokens == key.rows and steps[p].uniform_decode == key.decode
+            assert torch.equal(steps[p].inputs["input_ids"], again[p].inputs["input_ids"])  # deterministic
+        ids = [steps[p].inputs["input_ids"] for p in Purpose]
+        assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[0], ids[2])  # each purpose its own data
+    with pytest.raises(NotImplementedError, match="override dummy_step"):
+        from graphcap import CaptureSource
+
+        CaptureSource().dummy_step(GraphKey(4), Purpose.CAPTURE)
+
+
+def test_capture_without_a_source_is_refused():
+    model = ToyTransformer(CFG)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cpu"),
+                             CaptureConfig(enabled=True, debug_eager=True, max_tokens=32))
+    with pytest.raises(ValueError, match="needs a CaptureSource"):
+        manager.capture()

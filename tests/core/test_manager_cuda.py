@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from graphcap import CaptureConfig, CaptureManager, CaptureViolation, splice
-from graphcap.validation import relative_error
-from models.toy.model import ToyConfig, ToyTransformer, make_step, toy_dummy_step, toy_prepare, toy_static_inputs
+from graphcap import CaptureConfig, CaptureManager, CaptureViolation, GraphKey, Purpose, splice
+from graphcap.verify.compare import relative_error
+from models.toy import ToyConfig
+from models.toy.bare import ToySource, ToyTransformer, make_step, toy_static_inputs
 
 pytestmark = pytest.mark.cuda
 
@@ -16,10 +17,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 def build(config: CaptureConfig, forward=None, seed=0):
     torch.manual_seed(seed)
     model = ToyTransformer(CFG, "cuda", torch.bfloat16)
-    manager = CaptureManager(
-        forward or model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model),
-        dummy_step=toy_dummy_step(CFG)
-    )
+    manager = CaptureManager(forward or model.forward, toy_static_inputs(CFG, "cuda"), config, ToySource(model))
     manager.register("model", model)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     return model, manager
@@ -29,7 +27,7 @@ def eager_of(model, step):
     """Plain eager logits for a step, with the cache restored afterwards."""
     k, v = model.k_cache.clone(), model.v_cache.clone()
     ref_manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"),
-                                 CaptureConfig(max_tokens=CFG.max_tokens), prepare=toy_prepare(model))
+                                 CaptureConfig(max_tokens=CFG.max_tokens), ToySource(model))
     out = ref_manager.run(step).clone()
     kk, vv = model.k_cache.clone(), model.v_cache.clone()
     model.k_cache.copy_(k), model.v_cache.copy_(v)
@@ -63,9 +61,10 @@ def test_replay_matches_eager_across_steps(decode):
         assert relative_error(model.k_cache[:, real], k_ref[:, real]) < 1e-2
     bucket_stats = [s for s in manager.stats.buckets.values() if s.hits]
     assert bucket_stats and all(s.status == "captured" for s in bucket_stats)
-    assert all(s.full == decode for s in bucket_stats)
+    assert all(s.key.decode == decode for s in bucket_stats)
     if not decode:
-        graph = manager.graph(BUCKETS[-1])
+        graph = manager.graph(GraphKey(BUCKETS[-1], False))
+        assert graph.key == GraphKey(BUCKETS[-1], False)
         assert graph.num_segments == CFG.num_layers + 1 and graph.splice_names == ["toy.attention"] * CFG.num_layers
 
 
@@ -100,30 +99,34 @@ def test_validation_drops_bad_producers(kind):
     torch.manual_seed(0)
     model = (FrozenScalarModel if kind == "scalar" else OutsideTensorModel)(CFG, "cuda", torch.bfloat16)
     model.bias = torch.zeros(CFG.vocab, device="cuda", dtype=torch.bfloat16)
-    dummy = toy_dummy_step(CFG)
     # Keep replaced tensors alive: otherwise the allocator may hand the freed block straight
     # back to the new tensor and the stale read would be right by accident.
     old_biases = []
 
-    def sample(bucket, full):
-        if kind == "scalar":
-            model.temperature = 3.0 + bucket  # differs from the value frozen at capture
-        else:
-            old_biases.append(model.bias)
-            model.bias = torch.randn(CFG.vocab, device="cuda", dtype=torch.bfloat16) * 10
-        return dummy(bucket, full)
+    class ChangingSource(ToySource):
+        """Validation steps come with a new value of what the bad producer reads."""
+
+        def dummy_step(self, key, purpose):
+            if purpose is Purpose.VALIDATE:
+                if kind == "scalar":
+                    model.temperature = 3.0 + key.rows  # differs from the value frozen at capture
+                else:
+                    old_biases.append(model.bias)
+                    model.bias = torch.randn(CFG.vocab, device="cuda", dtype=torch.bfloat16) * 10
+            return super().dummy_step(key, purpose)
 
     config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4, 8))
-    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model),
-                             dummy_step=dummy)
+    source = ChangingSource(model)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, source)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     manager.capture()
-    failures = manager.validate(sample)
-    assert set(failures) == {(4, False), (8, False), (4, True), (8, True)}
+    failures = manager.validate()
+    assert set(failures) == {GraphKey(4, False), GraphKey(8, False), GraphKey(4, True), GraphKey(8, True)}
     assert all("differs from eager" in r for r in failures.values())
-    assert manager.graph(4) is None
-    # Dropped buckets run eagerly, and correctly.
-    step = sample(4, False)
+    assert manager.failures == failures
+    assert manager.graph(4) is None and GraphKey(4, False) not in manager.table
+    # Dropped graphs run eagerly, and correctly.
+    step = source.dummy_step(GraphKey(4, False), Purpose.VALIDATE)
     out = manager.run(step)
     ref, _, _ = eager_of(model, step)
     assert relative_error(out, ref) < 2e-2
@@ -136,14 +139,21 @@ def test_padded_rows_writing_the_cache_fail_validation():
     orig = model._write_cache
     # Bad producer: ignores slot -1 and writes padded rows into sequence 0's row.
     model._write_cache = lambda layer, slots, k, v: orig(layer, slots.clamp(min=0), k, v)
-    dummy = toy_dummy_step(CFG)
+
+    class PaddedValidation(ToySource):
+        """Validation on a step of 5 real tokens: graph 8 replays it with 3 padded rows."""
+
+        def dummy_step(self, key, purpose):
+            if purpose is Purpose.VALIDATE:
+                return make_step(CFG, [(3, 0, 5)])
+            return super().dummy_step(key, purpose)
+
     config = CaptureConfig(mode="piecewise", max_tokens=CFG.max_tokens, buckets=(8,))
-    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=toy_prepare(model),
-                             dummy_step=dummy)
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, PaddedValidation(model))
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     manager.capture()
-    failures = manager.validate(lambda b, f: make_step(CFG, [(3, 0, 5)]))
-    assert "padded rows must write nothing" in failures[(8, False)]
+    failures = manager.validate()
+    assert "padded rows must write nothing" in failures[GraphKey(8, False)]
 
 
 def test_host_sync_in_capture_names_the_op_and_leaves_manager_usable():
@@ -181,24 +191,6 @@ def test_reallocated_weight_triggers_recapture_never_a_stale_read():
     assert relative_error(out, ref) < 2e-2
 
 
-def test_reassigned_parameter_and_moved_cache_are_detected():
-    model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,),
-                                         recapture_on_invalidation=False))
-    manager.capture()
-    step = make_step(CFG, [(0, 0, 3)])
-    manager.run(step)
-    model.k_cache = model.k_cache.clone()  # the cache moved
-    with pytest.raises(RuntimeError, match="kv_cache"):
-        manager.run(step)
-    with pytest.raises(RuntimeError, match="stale"):
-        manager.run(step)
-    manager.capture()
-    manager.run(step)
-    model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
-    with pytest.raises(RuntimeError, match="reassigned"):
-        manager.run(step)
-
-
 def test_buckets_share_one_pool():
     buckets = BUCKETS
     torch.cuda.synchronize()
@@ -209,8 +201,7 @@ def test_buckets_share_one_pool():
     for b in buckets:
         m = CaptureManager(
             model.forward, toy_static_inputs(CFG, "cuda"),
-            CaptureConfig(mode="piecewise", max_tokens=CFG.max_tokens, buckets=(b,)),
-            prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG),
+            CaptureConfig(mode="piecewise", max_tokens=CFG.max_tokens, buckets=(b,)), ToySource(model),
         )
         m.capture()
         separate.append(m.stats.memory_mib)
@@ -221,7 +212,7 @@ def test_buckets_share_one_pool():
 def test_adjacent_splices_and_non_graph_safe_splice_skip_full_graph():
     calls = []
 
-    @splice("test.host_loop")  # not graph-safe: a whole decode graph must not capture through it
+    @splice("test.host_loop")  # not graph-safe: a decode graph must not capture through it
     def host_side(x, out):
         calls.append(int(x.shape[0]))
         out.copy_(x)
@@ -238,11 +229,11 @@ def test_adjacent_splices_and_non_graph_safe_splice_skip_full_graph():
         return out * 2
 
     manager = CaptureManager(forward, toy_static_inputs(CFG, "cuda"),
-                             CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)),
-                             prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG))
+                             CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)), ToySource(model))
     manager.capture()
-    assert (manager.stats.bucket(4, True).status == "skipped"
-            and "test.host_loop" in manager.stats.bucket(4, True).reason)
+    decode = manager.stats.graph(GraphKey(4, True))
+    assert decode.status == "skipped" and "test.host_loop" in decode.reason
+    assert manager.graph(4, decode=True) is None and manager.graph(4, decode=False) is not None
     step = make_step(CFG, [(0, 5, 1), (1, 6, 1)])
     calls.clear()
     out = manager.run(step)
@@ -261,40 +252,47 @@ class StepScalarModel(ToyTransformer):
         return super().forward(inputs) * self.scale
 
 
-def other_dummy(bucket: int, whole: bool):
-    """Other dummy data than ``toy_dummy_step``: fewer real tokens, other rows and positions."""
-    n = max(1, bucket - bucket // 4)
-    if whole:
+def other_dummy(key: GraphKey):
+    """Other dummy data than ``ToySource``'s: fewer real tokens, other rows and positions."""
+    n = max(1, key.rows - key.rows // 4)
+    if key.decode:
         return make_step(CFG, [((CFG.max_seqs - 1 - i) % CFG.max_seqs, 7 + i // CFG.max_seqs, 1) for i in range(n)])
     return make_step(CFG, [(3, 5, n)])
+
+
+class StepScalarSource(ToySource):
+    """Plans a host value of the step into the model (``scale``); frozen-value checks run on
+    ``other_dummy``."""
+
+    def plan(self, step, padding):
+        super().plan(step, padding)
+        self.model.scale = 1.0 + step.num_tokens / 64  # a host value of the step
+
+    def dummy_step(self, key, purpose):
+        if purpose is Purpose.FROZEN_CHECK:
+            return other_dummy(key)
+        return super().dummy_step(key, purpose)
 
 
 @pytest.mark.parametrize("bad", [True, False])
 def test_frozen_value_detection_finds_a_baked_step_scalar_and_nothing_else(bad):
     torch.manual_seed(0)
     model = (StepScalarModel if bad else ToyTransformer)(CFG, "cuda", torch.bfloat16)
-    plan = toy_prepare(model)
-
-    def prepare(step, padding):
-        plan(step, padding)
-        model.scale = 1.0 + step.num_tokens / 64  # a host value of the step
-
     config = CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4, 8, 64), detect_frozen=True)
-    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, prepare=prepare,
-                             dummy_step=toy_dummy_step(CFG))
+    manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"), config, StepScalarSource(model))
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     manager.capture()
-    failures = manager.detect_frozen(other_dummy)
+    failures = manager.detect_frozen()
     assert manager.stats.frozen_s > 0
     if not bad:
         assert failures == {}, failures  # no false positive: pointers differ, nothing else
         return
-    # Every bucket whose dummy steps differ in real tokens bakes another scale; bucket 1 has one.
-    assert set(failures) == {k for k in manager.keys() if k[0] > 1}
-    reason = failures[(8, False)]
+    # Every graph whose dummy steps differ in real tokens bakes another scale; a graph of 1 row has one.
+    assert set(failures) == {k for k in manager.keys() if k.rows > 1}
+    reason = failures[GraphKey(8, False)]
     assert "frozen host value" in reason and "parameter" in reason and f"segment {CFG.num_layers}" in reason
-    assert manager.graph(8) is None and manager.stats.bucket(8, False).status == "dropped"
-    step = other_dummy(8, False)  # the dropped bucket now runs eagerly, with this step's scale
+    assert manager.graph(8) is None and manager.stats.graph(GraphKey(8, False)).status == "dropped"
+    step = other_dummy(GraphKey(8, False))  # the dropped graph now runs eagerly, with this step's scale
     out = manager.run(step)
     ref, _, _ = eager_of(model, step)
     assert relative_error(out, ref) < 2e-2  # eager multiplies by this step's scale too
@@ -304,7 +302,7 @@ def test_detect_frozen_needs_kept_graphs():
     model, manager = build(CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, buckets=(4,)))
     manager.capture()
     with pytest.raises(ValueError, match="detect_frozen=True"):
-        manager.detect_frozen(other_dummy)
+        manager.detect_frozen()
 
 
 def test_capture_out_of_memory_frees_everything_and_says_what_to_change():
@@ -323,8 +321,9 @@ def test_capture_out_of_memory_frees_everything_and_says_what_to_change():
     model.norm.forward = hungry
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
-    with pytest.raises(CaptureOutOfMemory, match=r"capturing bucket 8 .*graph\(s\) captured holding .*Capture fewer "
-                                                 r"graphs \(CaptureConfig.buckets / decode_buckets\)") as err:
+    with pytest.raises(CaptureOutOfMemory, match=r"capturing graph 8 piecewise, .*graph\(s\) captured holding .*"
+                                                 r"Capture fewer graphs \(CaptureConfig.buckets / decode_buckets\)"
+                       ) as err:
         manager.capture()
     assert isinstance(err.value, torch.OutOfMemoryError)
     assert manager.graph(64) is None and manager.graph(64, True) is None and manager._pool is None
@@ -340,12 +339,12 @@ def test_capture_reports_phases_and_pool_and_one_graph_per_shape():
     torch.manual_seed(0)
     model = ToyTransformer(CFG, "cuda", torch.bfloat16)
     manager = CaptureManager(model.forward, toy_static_inputs(CFG, "cuda"),
-                             CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, validate=True),
-                             prepare=toy_prepare(model), dummy_step=toy_dummy_step(CFG), request_capacity=CFG.max_seqs)
+                             CaptureConfig(enabled=True, max_tokens=CFG.max_tokens, validate=True), ToySource(model),
+                             request_capacity=CFG.max_seqs)
     manager.register("kv_cache", model.cache_tensors, mutable=True)
     manager.capture()
     s = manager.stats
     assert s.warmup_s > 0 and s.capture_s > 0 and s.validate_s > 0 and s.pool_mib > 0
-    # Derived buckets: whole decode graphs up to max_seqs=16, segmented graphs only above.
-    assert manager.whole_buckets == (1, 2, 4, 8, 12, 16) and manager.buckets == (24, 32, 48, 64)
+    # Derived buckets: decode graphs up to max_seqs=16, piecewise graphs only above.
+    assert manager.decode_buckets == (1, 2, 4, 8, 12, 16) and manager.piecewise_buckets == (24, 32, 48, 64)
     assert all(st.status == "captured" for st in s.buckets.values())

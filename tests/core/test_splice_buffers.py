@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from graphcap import jit_cache
-from graphcap.scratch import SpliceBuffers
+from graphcap.splice_buffers import SpliceBuffers
+from graphcap.startup import jit_cache
 
 
 def test_views_share_one_allocation_at_the_ceiling():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphcap.tuning import KernelTuner
+from graphcap.startup.tuning import KernelTuner
 
 
 def test_bad_candidates_are_rejected_and_reported():
@@ -48,7 +48,7 @@ def test_fastest_passing_candidate_wins_on_gpu():
 def test_stored_choices_skip_timing_but_are_still_validated(tmp_path, monkeypatch):
     """A second process reads the timed choice from the store, checks it against the
     reference and uses it without timing; a stored choice that is now wrong is re-tuned."""
-    from graphcap.tuning import ChoiceStore
+    from graphcap.startup.tuning import ChoiceStore
 
     timed = []
     monkeypatch.setattr(KernelTuner, "_time", lambda self, run: timed.append(run) or float(len(timed)))

@@ -138,7 +138,7 @@ def test_admission_keeps_within_pages_slots_and_running_limit():
 
     serve(eng, requests, concurrency=12, on_step=watch)
     assert peak["running"] == 3 and peak["page_bound"] > 0 and peak["pages"] > 12
-    assert all(s.status is Status.FINISHED for s in eng.states.values())
+    assert len(eng.states) == len(requests) and all(s.status is Status.FINISHED for s in eng.states.values())
     assert_no_leak(runner)
 
 

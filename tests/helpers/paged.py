@@ -11,10 +11,11 @@ from typing import Iterator, Sequence
 
 import torch
 
-from attention.metadata import AttentionMetadata, MetadataBuilder, TokenChunk
+from attention.metadata import AttentionMetadata, MetadataBuilder
 from attention.reference.dense import paged_gather
 from graphcap import Padding, Step, step_context
 from kvcache.paged import KVCacheConfig, PagedKVCache
+from steps import TokenChunk
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,7 +83,7 @@ class PagedScenario:
     def sequence(self, cache_l: torch.Tensor, seq: int, length: int | None = None) -> torch.Tensor:
         """One sequence's first ``length`` positions of a cache layer, contiguous, fp64."""
         length = length or self.specs[seq][0]
-        return paged_gather(cache_l, self.cache.block_tables, self.cache.seq_slot(seq), length).double()
+        return paged_gather(cache_l, self.cache.block_tables, self.cache.table_row(seq), length).double()
 
     def poisoned_out(self, rows: int | None = None) -> torch.Tensor:
         return torch.full((rows or self.q.shape[0], self.hq, self.d), float("nan"), dtype=self.dtype,

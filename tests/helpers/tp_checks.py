@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from attention.metadata import TokenChunk
 from distributed import ParallelGroup, vocab_parallel
-from graphcap import CaptureConfig
-from models.minimax_m3.runner import M3Runner, build_from_checkpoint
+from graphcap import CaptureConfig, GraphKey
+from models.minimax_m3 import build_from_checkpoint
+from models.runner import ModelRunner
+from steps import TokenChunk
 
 RUNNER = dict(backend="torch", max_tokens=48, max_seqs=4, max_seq_len=64)
 
@@ -96,7 +97,7 @@ def _steps(vocab: int) -> list[list[TokenChunk]]:
             [TokenChunk("a", 22, toks(1)), TokenChunk("b", 6, toks(1)), TokenChunk("c", 9, toks(1))]]
 
 
-def _serve(runner: M3Runner, steps: list[list[TokenChunk]]) -> list[torch.Tensor]:
+def _serve(runner: ModelRunner, steps: list[list[TokenChunk]]) -> list[torch.Tensor]:
     for sid in ("a", "b", "c"):
         runner.add_request(sid)
     return [runner.step(chunks, all_logits=True).logits for chunks in steps]
@@ -138,11 +139,11 @@ def serving(group: ParallelGroup, ckpt: str) -> dict:
 
 
 def agreement(group: ParallelGroup, ckpt: str) -> dict:
-    """Dropped buckets are the union over ranks; differing bucket lists raise on every rank."""
+    """Dropped graphs are the union over ranks; differing bucket lists raise on every rank."""
     runner = build_from_checkpoint(ckpt, **RUNNER, group=group,
                                    capture=CaptureConfig(enabled=True, debug_eager=True, max_tokens=48))
     peers = runner.manager.peers
-    mine = {(16, False): "graph and eager differ"} if group.rank == 0 else {}
+    mine = {GraphKey(16, False): "graph and eager differ"} if group.rank == 0 else {}
     union = peers.union(mine)
     ok_all = peers.all_ok(group.rank != 0)
     # Rank 0 asks for other buckets: capture must refuse on every rank, not hang.
@@ -161,7 +162,7 @@ def agreement(group: ParallelGroup, ckpt: str) -> dict:
 
 # ---- GPU (NCCL) ---------------------------------------------------------------------------
 
-def _rewound(runner: M3Runner, chunks: list[TokenChunk]) -> torch.Tensor:
+def _rewound(runner: ModelRunner, chunks: list[TokenChunk]) -> torch.Tensor:
     """All-token logits of ``chunks``, then the requests rewound (the step can run again on any
     runner over the same cache)."""
     out = runner.step(chunks, all_logits=True).logits.float()
@@ -175,12 +176,12 @@ def nccl_captured(group: ParallelGroup, ckpt: str | None = None) -> dict:
     for frozen values; then replayed logits against the same path run eagerly (debug-eager,
     the same kernels) and against the unsharded model. ``ckpt``: load it (sharded per rank),
     else the tiny preset's random weights (world size 1: identical to the unsharded model's)."""
-    from models.minimax_m3.runner import build_from_preset
+    from models.minimax_m3 import build_from_preset
 
     kw = dict(device=group.device, dtype=torch.bfloat16, backend="triton", max_tokens=32, max_seqs=4, max_seq_len=64)
     buckets = dict(max_tokens=32, buckets=(4, 16, 32))
 
-    def build(g: ParallelGroup | None, capture: CaptureConfig | None) -> M3Runner:
+    def build(g: ParallelGroup | None, capture: CaptureConfig | None) -> ModelRunner:
         if ckpt is None:
             return build_from_preset("tiny", **kw, capture=capture, group=g)
         return build_from_checkpoint(ckpt, **kw, capture=capture, group=g)
@@ -203,7 +204,7 @@ def nccl_captured(group: ParallelGroup, ckpt: str | None = None) -> dict:
     finally:
         torch.distributed.all_reduce = all_reduce
     failures = tp.validate()
-    names = [n.name for key in tp.manager.keys() if (g := tp.manager.graph(*key)) is not None
+    names = [n.name for key in tp.manager.keys() if (g := tp.manager.graph(key)) is not None
              for seg in g.segment_nodes() for n in seg if n.kind == "kernel"]
     steps = _steps(tp.vocab_size)
     for sid in ("a", "b", "c"):
@@ -217,7 +218,7 @@ def nccl_captured(group: ParallelGroup, ckpt: str | None = None) -> dict:
         out[f"step {i}"] = dict(vs_padded_eager=float((g - e).abs().max() / e.abs().max()),
                                 vs_unsharded=float((g - s).abs().max() / s.abs().max()))
     hits = sum(b.hits for b in tp.manager.stats.buckets.values())
-    graphs = sum(1 for k in tp.manager.keys() if tp.manager.graph(*k) is not None)
+    graphs = sum(1 for k in tp.manager.keys() if tp.manager.graph(k) is not None)
     for r in (tp, padded, single):
         r.destroy()
     return dict(steps=out, failures={str(k): v for k, v in failures.items()}, graphs=graphs, hits=hits,

@@ -9,7 +9,16 @@ import torch
 
 from attention.rope import rope_inv_freq
 from models.minimax_m3.kernels.producer import rope_fp32
-from models.minimax_m3.layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm, route, swiglu_oai
+from models.minimax_m3.layers import (
+    BlockSparseMoE,
+    DenseMLP,
+    GemmaRMSNorm,
+    gemma_rms_normalize,
+    gemma_rmsnorm,
+    route,
+    swiglu_oai,
+    swiglu_oai_f32,
+)
 from models.minimax_m3.ops import make_ops, moe_torch_grouped, moe_torch_loop
 
 
@@ -165,7 +174,7 @@ class MoE:
         self.module, self.impl = module, impl
 
     def __call__(self, x, n=None):
-        return self.module(x, n, make_ops("torch", x.device, x.dtype, self.impl))
+        return make_ops("torch", x.device, x.dtype, self.impl).moe(self.module, x, n)
 
     def __getattr__(self, name):
         return getattr(self.module, name)
@@ -267,3 +276,27 @@ def test_moe_grouped_cuda_no_sync_and_graph_replay():
         torch.testing.assert_close(out.float(), eager.float(), atol=2e-2, rtol=2e-2)
         ref = moe_ref(host, x.cpu(), num_real=real)
         assert torch.nn.functional.cosine_similarity(out.double().cpu()[:real], ref[:real], dim=-1).min() > 0.98
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_block_sparse_moe_forward_is_the_torch_op_tables_moe(impl):
+    """The torch op table's MoE is BlockSparseMoE.forward itself (one copy of the formula), and
+    its rmsnorm and mlp are the layers' own."""
+    m = make_moe(8, 8, 2, impl=impl, seed=17)
+    x, n = torch.randn(6, 32, generator=gen(18)), torch.tensor(4)
+    ops = make_ops("torch", "cpu", torch.float32, impl)
+    assert ops.moe is (moe_torch_grouped if impl == "grouped" else moe_torch_loop)
+    assert torch.equal(ops.moe(m.module, x, n), m.module(x, n, grouped=impl == "grouped"))
+    torch.testing.assert_close(m.module(x, n, grouped=impl == "grouped").double(), moe_ref(m, x, num_real=4),
+                               atol=1e-4, rtol=1e-4)
+    mlp = DenseMLP(32, 16, 1.702, 7.0, torch.float32).requires_grad_(False)
+    assert torch.equal(ops.mlp(mlp, x), mlp(x))
+    norm = GemmaRMSNorm(32, 1e-6, torch.float32).requires_grad_(False)
+    norm.weight.normal_(generator=gen(19))
+    assert ops.rmsnorm is gemma_rmsnorm and torch.equal(ops.rmsnorm(x, norm.weight, 1e-6), norm(x))
+    xb = x.bfloat16()
+    fp32 = gemma_rms_normalize(xb, norm.weight, 1e-6)
+    assert fp32.dtype == torch.float32 and torch.equal(fp32.to(torch.bfloat16), gemma_rmsnorm(xb, norm.weight, 1e-6))
+    gate, up = torch.randn(5, 16, generator=gen(20)).bfloat16() * 4, torch.randn(5, 16, generator=gen(21)).bfloat16()
+    act = swiglu_oai_f32(gate, up, 1.702, 7.0)
+    assert act.dtype == torch.float32 and torch.equal(act.to(torch.bfloat16), swiglu_oai(gate, up, 1.702, 7.0))

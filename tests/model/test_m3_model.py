@@ -12,14 +12,15 @@ import torch
 from m3_reference import reference_logits
 from safetensors.torch import load_file
 
-from attention import AttentionDims, TokenChunk, make_backend
-from graphcap import CaptureConfig, Padding, step_context
+from attention import AttentionDims, make_backend
+from graphcap import CaptureConfig, GraphKey, Padding, Purpose, step_context
 from graphcap.splice import call_splice
 from kvcache.paged import PagedKVCache
+from models.minimax_m3 import build_from_checkpoint, build_from_preset
 from models.minimax_m3.checkpoint_writer import write_synthetic_checkpoint
 from models.minimax_m3.config import MiniMaxM3Config
 from models.minimax_m3.model import MiniMaxM3ForCausalLM
-from models.minimax_m3.runner import build_from_checkpoint, build_from_preset
+from steps import TokenChunk
 
 TINY = MiniMaxM3Config.tiny()
 
@@ -142,7 +143,7 @@ def test_padded_rows_write_nothing_and_change_nothing(ckpt):
         h_plain = plain.model.hidden_states(dict(s_plain.inputs))
     s_pad = padded.make_step(chunk)
     t, extra = s_pad.num_tokens, 6
-    p_pad = Padding.bucketed(t, 1, t + extra, whole_graph=False)
+    p_pad = Padding.for_graph(t, 1, GraphKey(t + extra, False))
     views = s_pad.metadata.buffers.views(t + extra, 1)
     inputs = {
         # pad ids deliberately not 0: whatever sits in padded rows must stay out of real rows
@@ -276,12 +277,12 @@ def test_runs_under_capture_manager_debug_eager(ckpt):
     and the logits equal plain unpadded steps."""
     cfg = CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, buckets=(2, 4, 16, 32))
     r, ref = runner(ckpt, capture=cfg), runner(ckpt)
-    dummy = r.dummy_step(3, True)
-    assert dummy.num_tokens == 3 and dummy.uniform_decode
+    dummy = r.source.dummy_step(GraphKey(3, True), Purpose.CAPTURE)
+    assert dummy.num_tokens == 3 and dummy.uniform_decode and r.has_dummies
     with pytest.raises(ValueError, match="max_seqs"):
-        r.dummy_step(16, True)
-    r.release_dummies()
-    assert r.cache.num_live_seqs == 0
+        r.source.dummy_step(GraphKey(16, True), Purpose.CAPTURE)
+    r.source.release_dummies()
+    assert r.cache.num_live_seqs == 0 and not r.has_dummies
     a, b = prompt(19, 15), prompt(6, 16)
     steps = [[TokenChunk("a", 0, a[:13])], [TokenChunk("a", 13, a[13:14])],
              [TokenChunk("b", 0, b[:5]), TokenChunk("a", 14, a[14:15])],
@@ -294,10 +295,12 @@ def test_runs_under_capture_manager_debug_eager(ckpt):
         assert got.next_tokens == want.next_tokens
         torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
     stats = r.manager.stats
-    assert stats.bucket(16, False).hits == 2 and stats.bucket(2, False).hits == 1  # padded, not bypassed
-    # The torch backend loops on the host: whole decode graphs are refused for it, and the
-    # debug-eager path learned that from the first whole-graph step, as capture would have.
-    assert stats.bucket(2, True).status == "skipped" and "attention.sparse" in stats.bucket(2, True).reason
-    r.capture()  # debug-eager capture runs each whole-graph bucket once to learn the same
-    assert {k for k, b in stats.buckets.items() if b.status == "skipped"} == {(2, True), (4, True)}
+    # padded, not bypassed
+    assert stats.graph(GraphKey(16, False)).hits == 2 and stats.graph(GraphKey(2, False)).hits == 1
+    # The torch backend loops on the host: decode graphs are refused for it, and the
+    # debug-eager path learned that from the first decode-graph step, as capture would have.
+    decode_2 = stats.graph(GraphKey(2, True))
+    assert decode_2.status == "skipped" and "attention.sparse" in decode_2.reason
+    r.capture()  # debug-eager capture runs each decode graph once to learn the same
+    assert {k for k, b in stats.buckets.items() if b.status == "skipped"} == {GraphKey(2, True), GraphKey(4, True)}
     assert r.cache.num_live_seqs == 2  # its dummy requests are gone again

@@ -17,7 +17,7 @@ from helpers.paged import DEV
 from helpers.triton_compile import run_compile_reports
 
 from models.minimax_m3.kernels import moe
-from models.minimax_m3.layers import BlockSparseMoE, route
+from models.minimax_m3.layers import BlockSparseMoE, local_expert_keys, route
 
 ALPHA, LIMIT = 1.702, 7.0
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
@@ -149,7 +149,7 @@ def test_torch_twin_matches_block_sparse_moe(dtype):
         m.e_score_correction_bias.zero_()[offset : offset + E] = 0.4  # favour the local experts
         x = torch.randn(T, H).to(dtype).to(DEV)
         ids, w = route(x, m.gate.weight, m.e_score_correction_bias, K, m.scale, torch.tensor(T - 3))
-        local = m._local_keys(ids)
+        local = local_expert_keys(ids, m.expert_offset, m.experts.num_experts)
         local = torch.where(local == E, -1, local).to(torch.int32)
         assert (local >= 0).sum() >= 4 and (local < 0).sum() >= 6  # local, remote and padded pairs
         want = m.routed_loop(x, ids, w) + m.shared_experts(x).float()

@@ -230,10 +230,10 @@ def test_cuda_graph_replay_with_new_positions_and_slots():
 def test_model_ops_write_the_same_cache_through_the_sink_page():
     """The op table's torch producer (capturable: padded rows land in the sink page) and the
     Triton one write identical caches and queries."""
+    from models.minimax_m3 import build_from_preset
     from models.minimax_m3.ops import norm_rope_write_torch, norm_rope_write_triton
-    from models.minimax_m3.runner import build_from_preset
 
-    r = build_from_preset("tiny", DEV, torch.float32, max_tokens=16, max_seqs=2, max_seq_len=32)
+    r = build_from_preset("tiny", DEV, torch.float32, backend="torch", max_tokens=16, max_seqs=2, max_seq_len=32)
     attn = r.model.model.layers[1].self_attn
     r.cache.add_sequence(0)
     r.cache.reserve(0, 8)
@@ -245,7 +245,7 @@ def test_model_ops_write_the_same_cache_through_the_sink_page():
         r.cache.k_cache.fill_(7.0), r.cache.index_k_cache.fill_(7.0)
         q = torch.full((7, attn.num_heads, attn.head_dim), float("nan"), device=DEV)
         iq = torch.full((7, attn.num_index_heads, attn.index_dim), float("nan"), device=DEV)
-        op(attn, qkv.clone(), pos, r.model.rope_inv_freq, slots, r.cache, q, iq)
+        op(qkv.clone(), pos, r.model.rope_inv_freq, slots, attn.layout, attn.head_norms(), r.cache, attn.layer, q, iq)
         outs.append((q, iq, r.cache.k_cache.clone(), r.cache.index_k_cache.clone()))
     for a, b in zip(*outs):
         assert not a.isnan().any()

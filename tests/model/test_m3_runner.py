@@ -9,17 +9,18 @@ import dataclasses
 import pytest
 import torch
 
-from attention.metadata import TokenChunk
-from graphcap import CaptureConfig, whole_graph_buckets
-from graphcap.validation import relative_error
+from graphcap import CaptureConfig, GraphKey, Purpose, decode_graph_buckets
+from graphcap.verify.compare import relative_error
+from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
-from models.minimax_m3.runner import M3Runner, build_from_preset
+from models.runner import ModelRunner
+from steps import TokenChunk
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_pair(device, dtype, backend, buckets=(1, 2, 4, 8, 24), debug=False, preset="tiny", layers=None,
-              max_seqs=6, max_tokens=64, max_seq_len=160) -> tuple[M3Runner, M3Runner]:
+              max_seqs=6, max_tokens=64, max_seq_len=160) -> tuple[ModelRunner, ModelRunner]:
     """A graphed runner and an eager one over the same model, cache and backend."""
     config = MiniMaxM3Config.preset(preset)
     if layers:
@@ -31,7 +32,7 @@ def make_pair(device, dtype, backend, buckets=(1, 2, 4, 8, 24), debug=False, pre
     return graphed, graphed.with_capture(CaptureConfig(max_tokens=max_tokens))
 
 
-def twice(graphed: M3Runner, eager: M3Runner, chunks, tol: float) -> torch.Tensor:
+def twice(graphed: ModelRunner, eager: ModelRunner, chunks, tol: float) -> torch.Tensor:
     """Run ``chunks`` eagerly, rewind, run them graphed: both see the same cache state.
 
     ``tol`` bounds the relative logit error; ``0`` asks for bit-identical logits (a reference
@@ -56,7 +57,7 @@ def drive(graphed, eager, tol, steps=6, seed=0):
         graphed.add_request(i)
 
     def chunk(i, n):
-        return TokenChunk(i, graphed.num_tokens(i), torch.randint(0, vocab, (n,), generator=g).tolist())
+        return TokenChunk(i, graphed.num_written(i), torch.randint(0, vocab, (n,), generator=g).tolist())
 
     twice(graphed, eager, [chunk(i, 20) for i in range(3)], tol)  # 60 tokens: above the ceiling, eager
     for s in range(steps):
@@ -95,10 +96,10 @@ def sweep(max_seqs: int, buckets, device: str, dtype: torch.dtype, backend: str,
         graphed.add_request(i)
     twice(graphed, eager, [TokenChunk(i, 0, [i % 7 + 1]) for i in range(max_seqs)], tol)
     for b in range(1, max_seqs + 1):
-        twice(graphed, eager, [TokenChunk(i, graphed.num_tokens(i), [(b + i) % 11]) for i in range(b)], tol)
+        twice(graphed, eager, [TokenChunk(i, graphed.num_written(i), [(b + i) % 11]) for i in range(b)], tol)
     prefill = min(max_tokens - (max_seqs - 1), 20)  # every request in one step, a prefill chunk among them
-    mixed = [TokenChunk(i, graphed.num_tokens(i), [3]) for i in range(max_seqs - 1)]
-    mixed.append(TokenChunk(max_seqs - 1, graphed.num_tokens(max_seqs - 1), [5] * prefill))
+    mixed = [TokenChunk(i, graphed.num_written(i), [3]) for i in range(max_seqs - 1)]
+    mixed.append(TokenChunk(max_seqs - 1, graphed.num_written(max_seqs - 1), [5] * prefill))
     twice(graphed, eager, mixed, tol)
     return graphed.manager.stats.buckets
 
@@ -108,13 +109,13 @@ BUCKET_LISTS = [None, (1, 2, 3, 6, 8, 24, 64), (1, 2, 4, 8, 24, 64), (5, 7, 64)]
 
 @pytest.mark.parametrize("buckets", BUCKET_LISTS, ids=["default", "non-default", "1248-24", "sparse"])
 def test_every_request_capacity_decodes_up_to_capacity(buckets):
-    """The bug this guards: a decode batch between the largest whole-graph bucket and
-    ``max_seqs`` landed on a segmented bucket whose request rows exceeded capacity."""
-    hit_segmented_decode = False
+    """The bug this guards: a decode batch between the largest decode-graph bucket and
+    ``max_seqs`` landed on a piecewise bucket whose request rows exceeded capacity."""
+    hit_piecewise_decode = False
     for max_seqs in range(1, 41):
         stats = sweep(max_seqs, buckets, "cpu", torch.float32, "torch")
-        hit_segmented_decode |= any(not full and b > max_seqs for (b, full), s in stats.items() if s.hits)
-    assert hit_segmented_decode  # the sweep did reach segmented buckets above the request capacity
+        hit_piecewise_decode |= any(not key.decode and key.rows > max_seqs for key, s in stats.items() if s.hits)
+    assert hit_piecewise_decode  # the sweep did reach piecewise buckets above the request capacity
 
 
 @pytest.mark.cuda
@@ -122,17 +123,17 @@ def test_every_request_capacity_decodes_up_to_capacity(buckets):
 @pytest.mark.parametrize("max_seqs", [1, 3, 5, 6, 9, 10, 17, 40])
 def test_every_request_capacity_replays_on_gpu(max_seqs, buckets):
     stats = sweep(max_seqs, buckets, "cuda", torch.bfloat16, "auto", layers=4)
-    whole = {b for (b, full), s in stats.items() if full and s.status == "captured"}
-    # The one rule (graphcap.buckets): default whole buckets run up to the request capacity itself.
-    want = set(whole_graph_buckets(CaptureConfig(max_tokens=64, buckets=buckets), max_seqs))
-    assert whole == want, "every whole-graph bucket, non-default sizes included, captures on flashinfer + Triton"
+    decode = {key.rows for key, s in stats.items() if key.decode and s.status == "captured"}
+    # The one rule (graphcap.buckets): default decode buckets run up to the request capacity itself.
+    want = set(decode_graph_buckets(CaptureConfig(max_tokens=64, buckets=buckets), max_seqs))
+    assert decode == want, "every decode-graph bucket, non-default sizes included, captures on flashinfer + Triton"
     assert all(s.status == "captured" for s in stats.values() if s.hits)
 
 
 # ---- refused steps ----------------------------------------------------------------------
 
 
-def cache_state(r: M3Runner) -> list:
+def cache_state(r: ModelRunner) -> list:
     c = r.cache
     return [c.k_cache.clone(), c.v_cache.clone(), c.index_k_cache.clone(), c.block_tables.clone(),
             c.num_free_pages, {s: (c.pages(s), c.num_written(s)) for s in c._row}]
@@ -144,15 +145,15 @@ def assert_same_state(a: list, b: list) -> None:
 
 
 BAD_STEPS = {
-    "gap": (lambda r: [TokenChunk("a", r.num_tokens("a") + 3, [1])], ValueError, "request 'a'.*skips past"),
-    "duplicate": (lambda r: [TokenChunk("a", r.num_tokens("a"), [1]), TokenChunk("a", r.num_tokens("a") + 1, [2])],
+    "gap": (lambda r: [TokenChunk("a", r.num_written("a") + 3, [1])], ValueError, "request 'a'.*skips past"),
+    "duplicate": (lambda r: [TokenChunk("a", r.num_written("a"), [1]), TokenChunk("a", r.num_written("a") + 1, [2])],
                   ValueError, "request 'a' appears twice"),
-    "out of vocab": (lambda r: [TokenChunk("b", r.num_tokens("b"), [1, 256])], ValueError,
+    "out of vocab": (lambda r: [TokenChunk("b", r.num_written("b"), [1, 256])], ValueError,
                      r"request 'b': token id 256 is outside the vocabulary \[0, 256\)"),
-    "negative id": (lambda r: [TokenChunk("b", r.num_tokens("b"), [-1])], ValueError, "token id -1"),
-    "unknown": (lambda r: [TokenChunk("zz", 0, [1])], ValueError, r"add it first \(M3Runner.add_request"),
+    "negative id": (lambda r: [TokenChunk("b", r.num_written("b"), [-1])], ValueError, "token id -1"),
+    "unknown": (lambda r: [TokenChunk("zz", 0, [1])], ValueError, r"add it first \(runner.add_request\('zz'\)\)"),
     "rewrite": (lambda r: [TokenChunk("a", 0, [1])], ValueError, "rewind_request"),
-    "too long": (lambda r: [TokenChunk("b", r.num_tokens("b"), [1] * 70)], ValueError, "max_tokens=64"),
+    "too long": (lambda r: [TokenChunk("b", r.num_written("b"), [1] * 70)], ValueError, "max_tokens=64"),
     "out of pages": (lambda r: [TokenChunk("c", 0, [1] * 60)], RuntimeError, "new KV pages"),
 }
 
@@ -218,7 +219,7 @@ def test_rewind_rewrites_earlier_positions():
     r.step([TokenChunk("s", 0, [5, 6, 7, 8])])
     want = r.step([TokenChunk("s", 4, [9])]).logits
     r.rewind_request("s", 2)  # drop positions 2.. (e.g. rejected speculative tokens)
-    assert r.num_tokens("s") == 2
+    assert r.num_written("s") == 2
     r.step([TokenChunk("s", 2, [1, 1])])  # different tokens at 2, 3
     r.rewind_request("s", 2)
     r.step([TokenChunk("s", 2, [7, 8])])
@@ -238,7 +239,7 @@ def test_producer_reading_step_metadata_raises_naming_the_read():
     with pytest.raises(RuntimeError,
                        match=r"AttentionBackend.meta was read by captured producer code at .*test_m3_runner"):
         r.step([TokenChunk("a", 0, [1, 2, 3])])
-    assert r.num_tokens("a") == 0  # the failed step did not advance the request
+    assert r.num_written("a") == 0  # the failed step did not advance the request
 
 
 @pytest.mark.cuda
@@ -249,12 +250,13 @@ def test_captured_steps_equal_eager_steps_on_gpu(backend):
     assert graphed.validate() == {}
     assert not graphed.has_dummies
     stats = drive(graphed, eager, tol=2e-2)
-    whole = [s for (b, full), s in stats.buckets.items() if full]
-    if backend == "torch":  # host loops: no whole decode graph may pass through them
-        assert all(s.status == "skipped" for s in whole)
+    decode = [s for key, s in stats.buckets.items() if key.decode]
+    if backend == "torch":  # host loops: no decode graph may pass through them
+        assert decode and all(s.status == "skipped" for s in decode)
     else:
-        assert any(s.status == "captured" and s.hits for s in whole)
-    assert all(s.status == "captured" for (b, full), s in stats.buckets.items() if not full)
+        assert any(s.status == "captured" and s.hits for s in decode)
+    piecewise = [s for key, s in stats.buckets.items() if not key.decode]
+    assert piecewise and all(s.status == "captured" for s in piecewise)
 
 
 @pytest.mark.cuda
@@ -272,7 +274,7 @@ def test_reallocated_flashinfer_buffer_invalidates_never_replays_stale():
         before = graphed.manager.stats.invalidations
         setattr(dense, name, getattr(dense, name).clone())
         dense._decode.clear()  # wrappers hold views of the old buffers: init_capture rebuilds them
-        twice(graphed, eager, [TokenChunk(i, graphed.num_tokens(i), [7]) for i in range(3)], 2e-2)
+        twice(graphed, eager, [TokenChunk(i, graphed.num_written(i), [7]) for i in range(3)], 2e-2)
         assert graphed.manager.stats.invalidations == before + 1, name
 
 
@@ -316,7 +318,7 @@ def test_fused_moe_validates_its_configuration_and_rejects_a_corrupt_candidate()
     deliberately corrupt candidate is rejected and reported, never chosen."""
     r = build_from_preset("tiny", "cpu", torch.float32, producer="triton", max_tokens=16, max_seqs=2, max_seq_len=32)
     ops, H = r.model.ops, r.model.config.hidden_size
-    ops.moe.prepare(r.model, 5, extra={"corrupt": lambda: torch.zeros(5, H), "broken": lambda: 1 / 0})
+    ops.moe.choose(r.model, 5, extra={"corrupt": lambda: torch.zeros(5, H), "broken": lambda: 1 / 0})
     choice = ops.tuner.choices[("moe", 5)]
     assert choice.chosen == "config0"
     assert "relative error" in choice.rejected["corrupt"] and "ZeroDivisionError" in choice.rejected["broken"]
@@ -332,23 +334,23 @@ def test_fused_moe_validates_its_configuration_and_rejects_a_corrupt_candidate()
     assert "corrupt" in console.export_text()
 
 
-@pytest.mark.parametrize("bucket, whole", [(1, True), (6, True), (5, False), (64, False)])
-@pytest.mark.parametrize("variant", [0, 1, 2])
-def test_dummy_steps_write_distinct_capture_slots_and_read_only_this_steps_writes(bucket, whole, variant):
+@pytest.mark.parametrize("bucket, decode", [(1, True), (6, True), (5, False), (64, False)])
+@pytest.mark.parametrize("purpose", list(Purpose), ids=[p.value for p in Purpose])
+def test_dummy_steps_write_distinct_capture_slots_and_read_only_this_steps_writes(bucket, decode, purpose):
     """Dummy steps live on the capture reserve: every token at its own capture slot, each
     request starting where the step's earlier tokens end, nothing taken from live capacity."""
     r = build_from_preset("tiny", max_tokens=64, max_seqs=6, max_seq_len=48)
     c = r.cache.config
     free_pages, free_rows = r.cache.num_free_pages, len(r.cache._free_rows)
-    step = r.dummy_step(bucket, whole, variant)
+    step = r.source.dummy_step(GraphKey(bucket, decode), purpose)
     slots = step.metadata.slot_mapping[: step.num_tokens].tolist()
     assert len(set(slots)) == step.num_tokens
     assert all(c.num_pages * c.page_size <= s < c.total_pages * c.page_size for s in slots)  # capture pages only
     assert r.cache.num_free_pages == free_pages and len(r.cache._free_rows) == free_rows
-    real = max(1, bucket - bucket // 4) if variant == 2 else bucket
-    assert step.num_tokens == real and step.uniform_decode == whole
-    r.release_dummies()
-    assert r.cache.num_live_seqs == 0
+    real = max(1, bucket - bucket // 4) if purpose is Purpose.FROZEN_CHECK else bucket
+    assert step.num_tokens == real and step.uniform_decode == decode and r.has_dummies
+    r.source.release_dummies()
+    assert r.cache.num_live_seqs == 0 and not r.has_dummies
 
 
 def test_recapture_at_full_capacity_leaves_live_requests_alone():
@@ -370,7 +372,7 @@ def test_recapture_at_full_capacity_leaves_live_requests_alone():
     r.capture()
     assert r.validate() == {}
     assert torch.equal(r.cache.k_cache[:, live], k) and torch.equal(r.cache.index_k_cache[:, live], ik)
-    assert r.cache.num_live_seqs == len(seqs) and [r.num_tokens(s) for s in seqs[:4]] == [32] * 4
+    assert r.cache.num_live_seqs == len(seqs) and [r.num_written(s) for s in seqs[:4]] == [32] * 4
 
 
 def test_every_layer_hands_the_splice_the_same_buffers():
@@ -391,6 +393,17 @@ def test_every_layer_hands_the_splice_the_same_buffers():
     assert seen[0][0] == bufs.view("q", 1).data_ptr() and bufs.max_rows == 16
 
 
+def forwards_to_build(runner: ModelRunner) -> list[GraphKey]:
+    """The graph keys whose forward kernels a capture compiles ahead: neither built by this
+    process (``kernel_prebuild.built``: a recapture) nor recorded as built into this cache
+    directory for the same forward (the choice store's ``forward kernels|<signature>`` entry:
+    comma-separated graph keys)."""
+    store = runner.model.ops.tuner.store
+    entry = store.get(f"forward kernels|{runner.forward_signature()}") if store is not None else None
+    recorded = set((entry or "").split(","))
+    return [k for k in runner.manager.keys() if k not in runner.kernel_prebuild.built and str(k) not in recorded]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, monkeypatch):
@@ -398,6 +411,7 @@ def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, mo
     launch (MoE candidates, then each graph key's forward, its dense layers served by torch
     while flashinfer may still build): no launch after it compiles. A recapture, and a new
     runner of the same forward on the same cache directory, skip the forward pass."""
+    import contextlib
     import gc
 
     import triton
@@ -405,7 +419,7 @@ def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, mo
 
     if backend == "auto":
         pytest.importorskip("flashinfer")
-    from graphcap import jit_cache
+    from graphcap.startup import jit_cache
 
     jit_cache.configure()  # Triton's and flashinfer's caches stay where they are; the choice store moves:
     monkeypatch.setenv("GRAPHCAP_CACHE_DIR", str(tmp_path))
@@ -416,21 +430,25 @@ def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, mo
     wide = {"preset": "rank_of_8", "layers": 2} if backend == "auto" else {}
     shape = dict(buckets=(3, 11, 29), max_tokens=29, **wide)
     graphed, eager = make_pair("cuda", torch.bfloat16, backend, max_seqs=5, **shape)
-    assert graphed.compile_workers > 0 and graphed._forwards_to_build(graphed.manager.keys())
+    assert graphed.model.ops.tuner.store is not None  # the record lives in the choice store
+    assert graphed.compile_workers > 0 and forwards_to_build(graphed)
     misses = {"prebuild": 0, "after": 0}
     phase = {"now": "prebuild"}
-    hook = graphed.manager.before_capture
+    source = graphed.source
+    inner = source.prebuild
 
-    def prebuild(manager):
+    @contextlib.contextmanager
+    def prebuild(keys):  # the source's prebuild, the manager's forward compile-ahead inside it
         phase["now"] = "prebuild"
-        hook(manager)
+        with inner(keys) as plan:
+            yield plan
         phase["now"] = "after"
 
     def count(*args, **kwargs) -> bool:
         misses[phase["now"]] += 1
         return False  # compile as usual
 
-    graphed.manager.before_capture = prebuild
+    source.prebuild = prebuild
     old = triton.knobs.runtime.jit_cache_hook
     triton.knobs.runtime.jit_cache_hook = count
     try:
@@ -438,14 +456,40 @@ def test_capture_builds_every_triton_kernel_before_warm_up(backend, tmp_path, mo
     finally:
         triton.knobs.runtime.jit_cache_hook = old
     assert misses["prebuild"] > 0 and misses["after"] == 0, misses
+    assert phase["now"] == "after"  # the manager went through the source's prebuild
     assert graphed.prebuild_s["forward_compile_s"] > 0
+    assert graphed.kernel_prebuild.built == set(graphed.manager.keys())
     assert graphed.validate() == {}
     for i in range(3):
         graphed.add_request(i)
     twice(graphed, eager, [TokenChunk(i, 0, [1 + i, 2, 3, 4]) for i in range(3)], 2e-2)
     twice(graphed, eager, [TokenChunk(i, 4, [5 + i]) for i in range(3)], 2e-2)
-    assert graphed._forwards_to_build(graphed.manager.keys()) == []  # a recapture skips the pass
+    assert forwards_to_build(graphed) == []  # a recapture skips the pass
     again, _ = make_pair("cuda", torch.bfloat16, backend, max_seqs=5, **shape)
-    assert again._forwards_to_build(again.manager.keys()) == []  # recorded in the cache directory
+    assert again.forward_signature() == graphed.forward_signature() and not again.kernel_prebuild.built
+    assert forwards_to_build(again) == []  # recorded in the cache directory
+    entry = again.model.ops.tuner.store.get(f"forward kernels|{again.forward_signature()}")
+    assert set(entry.split(",")) == {str(k) for k in graphed.manager.keys()}
     other, _ = make_pair("cuda", torch.bfloat16, backend, max_seqs=6, **shape)
-    assert other._forwards_to_build(other.manager.keys())  # another capacity: another forward
+    assert forwards_to_build(other)  # another capacity: another forward
+
+
+def test_run_chunks_is_the_one_entry_point_and_step_adds_greedy_tokens():
+    """``run_chunks`` runs a step (``commit=False`` leaves the request where it was); ``step`` is
+    ``run_chunks`` plus the greedy argmax; the previous release's runner name warns."""
+    import models.minimax_m3 as m3
+
+    r = build_from_preset("tiny", "cpu", torch.float32, max_tokens=32, max_seqs=2, max_seq_len=64)
+    r.add_request("a")
+    first = r.step([TokenChunk("a", 0, [1, 2, 3])], all_logits=True)
+    assert first.logits.shape == (3, r.vocab_size) and first.next_tokens == [int(first.logits[-1].argmax())]
+    every = r.run_chunks([TokenChunk("a", 3, [4, 5])], commit=False, all_logits=True)
+    assert every.shape == (2, r.vocab_size) and r.num_written("a") == 3
+    last = r.run_chunks([TokenChunk("a", 3, [4, 5])], commit=False)
+    assert last.shape == (1, r.vocab_size) and r.num_written("a") == 3
+    torch.testing.assert_close(last[0], every[-1], atol=1e-5, rtol=1e-5)  # lm_head on 1 row vs 2 rounds apart
+    out = r.step([TokenChunk("a", 3, [4, 5])])
+    assert torch.equal(out.logits, last) and out.next_tokens == last.argmax(-1).tolist()
+    assert r.num_written("a") == 5
+    with pytest.warns(DeprecationWarning, match="models.minimax_m3.M3Runner is deprecated"):
+        assert m3.M3Runner is ModelRunner

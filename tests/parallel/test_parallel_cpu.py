@@ -2,7 +2,7 @@
 
 Sharded MiniMax-M3 (tiny preset, fp32, from one synthetic checkpoint) against the unsharded
 model: logits of prefill, mixed and decode steps, eager and padded; each rank's loaded slices;
-the collectives' padding rule; graphcap's agreement on buckets; the engine on every rank. TP4
+the collectives' padding rule; graphcap's agreement on graphs; the engine on every rank. TP4
 puts two ranks on each kv head (the tiny model has 2), as TP8 does for the real model."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from helpers import tp_checks
 from helpers.ranks import run_ranks
 
+from graphcap import GraphKey
 from models.minimax_m3.checkpoint_writer import write_synthetic_checkpoint
 from models.minimax_m3.config import MiniMaxM3Config
 
@@ -59,9 +60,10 @@ def test_engine_on_two_ranks_serves_the_same_tokens(ckpt):
         assert r["same_tokens"] and r["tokens"] > 0, rank
 
 
-def test_ranks_agree_on_dropped_buckets_and_refuse_different_buckets(ckpt):
+def test_ranks_agree_on_dropped_graphs_and_refuse_different_buckets(ckpt):
     for rank, r in each_rank(tp_checks.agreement, 2, ckpt):
-        assert list(r["union"]) == [(16, False)], rank
-        assert ("on rank 0" in r["union"][(16, False)]) == (rank == 1)
+        assert list(r["union"]) == [GraphKey(16, False)], rank
+        assert all(type(k) is GraphKey for k in r["union"]), rank
+        assert ("on rank 0" in r["union"][GraphKey(16, False)]) == (rank == 1)
         assert r["all_ok"] is False
-        assert "ranks disagree on graph buckets" in r["refused"] and "rank 0:" in r["refused"], (rank, r["refused"])
+        assert "ranks disagree on graph keys" in r["refused"] and "rank 0:" in r["refused"], (rank, r["refused"])

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.triton_utils import check_device, interpreting, next_pow2
+from models.minimax_m3.layers import swiglu_oai_f32
 
 Tensor = torch.Tensor
 
@@ -520,11 +521,6 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
 # plain torch
 
 
-def _swiglu_oai_f32(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
-    g = gate.clamp(max=limit)
-    return g * torch.sigmoid(alpha * g) * (up.clamp(-limit, limit) + 1.0)
-
-
 def fused_moe_torch(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
                     shared_down: Tensor, alpha: float, limit: float, out: Tensor,
                     config: MoEConfig | None = None) -> Tensor:
@@ -543,7 +539,7 @@ def fused_moe_torch(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2
 
     def ffn(gate_up: Tensor, down: Tensor, inter: int) -> Tensor:
         h = F.linear(xf, gate_up.float())
-        a = _swiglu_oai_f32(h[:, :inter], h[:, inter:], alpha, limit).to(x.dtype)
+        a = swiglu_oai_f32(h[:, :inter], h[:, inter:], alpha, limit).to(x.dtype)
         return F.linear(a.float(), down.float())
 
     acc = torch.zeros(d.T, d.H, dtype=torch.float32, device=x.device)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.triton_utils import check_device, next_pow2
+from models.minimax_m3.layers import gemma_rms_normalize
 
 Tensor = torch.Tensor
 _MAX_ROW = 8192  # widest row kept in registers (32 fp32 per thread at 8 warps)
@@ -37,8 +38,7 @@ _MAX_ROW = 8192  # widest row kept in registers (32 fp32 per thread at 8 warps)
 def gemma_rmsnorm_torch(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
     """Plain-torch twin of :func:`gemma_rmsnorm`."""
     _check_args("gemma_rmsnorm", x, weight, out=out)
-    xf = x.float()
-    out.copy_(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float()))
+    out.copy_(gemma_rms_normalize(x, weight, eps))
 
 
 def gemma_fused_add_rmsnorm_torch(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
@@ -46,7 +46,7 @@ def gemma_fused_add_rmsnorm_torch(x: Tensor, residual: Tensor, weight: Tensor, e
     _check_args("gemma_fused_add_rmsnorm", x, weight, residual=residual)
     s = residual.float() + x.float()
     residual.copy_(s)
-    x.copy_(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float()))
+    x.copy_(gemma_rms_normalize(s, weight, eps))
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.triton_utils import check_device, next_pow2
+from models.minimax_m3.layers import gemma_rms_normalize
 
 Tensor = torch.Tensor
 
@@ -82,6 +83,16 @@ class QKVLayout:
         return self.iq_offset + self.num_index_heads * self.index_dim
 
 
+class HeadNorms(NamedTuple):
+    """One attention layer's per-head Gemma norm weights (offsets): ``q``, ``k`` ``[head_dim]``
+    and, on sparse layers, ``index_q``, ``index_k`` ``[index_dim]`` (else ``None``)."""
+
+    q: Tensor
+    k: Tensor
+    index_q: Tensor | None = None
+    index_k: Tensor | None = None
+
+
 # --------------------------------------------------------------------------------------------
 # plain torch
 
@@ -105,9 +116,7 @@ def rope_fp32(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
 
 def _norm_rope_torch(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
     """x [T, H, D] -> fp32 [T, H, D] normed (Gemma, fp32) and partially rotated (NeoX)."""
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
-    return rope_fp32(x, positions, inv_freq)
+    return rope_fp32(gemma_rms_normalize(x, weight, eps), positions, inv_freq)
 
 
 class NormRoped(NamedTuple):
@@ -327,4 +336,4 @@ def _check_args(qkv: Tensor, positions: Tensor, slot_mapping: Tensor, layout: QK
         raise ValueError(f"iq_out must be [{T}, {L.num_index_heads}, {L.index_dim}], got {tuple(iq_out.shape)}")
 
 
-__all__ = ["NormRoped", "QKVLayout", "norm_rope_cache_write", "norm_rope_torch"]
+__all__ = ["HeadNorms", "NormRoped", "QKVLayout", "norm_rope_cache_write", "norm_rope_torch"]

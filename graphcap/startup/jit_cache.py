@@ -5,7 +5,7 @@ One directory, ``$GRAPHCAP_CACHE_DIR`` (default ``~/.cache/graphcap``), holds:
 - ``triton/``: Triton's compiled kernels (``TRITON_CACHE_DIR``);
 - ``flashinfer/``: flashinfer's JIT-built modules (``FLASHINFER_WORKSPACE_BASE``; flashinfer
   reads it when it is imported, so ``configure`` runs before graphcap imports flashinfer);
-- ``kernel_choices.json``: ``graphcap.tuning.KernelTuner`` choices per GPU and software
+- ``kernel_choices.json``: ``graphcap.startup.tuning.KernelTuner`` choices per GPU and software
   versions (a cached choice is still validated against the reference before it is used), and
   which graph keys' forward kernels were compiled into this directory (a warm start skips
   compiling them ahead).

@@ -20,7 +20,7 @@ from typing import Callable, Hashable, Mapping
 
 import torch
 
-from .validation import relative_error
+from ..verify.compare import relative_error
 
 
 @dataclass
@@ -37,7 +37,7 @@ class KernelChoice:
 
 
 class ChoiceStore:
-    """Kernel choices on disk (``graphcap.jit_cache.kernel_choices_file``), per namespace (the
+    """Kernel choices on disk (``graphcap.startup.jit_cache.kernel_choices_file``), per namespace (the
     GPU and software versions), so a second start skips timing. A stored name is only a hint:
     the tuner validates it against the reference before using it. Other start-up records
     may share the file under their own entries (the M3 runner's "forward kernels|..." lists the

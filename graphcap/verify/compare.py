@@ -1,4 +1,4 @@
-"""Graph-vs-eager comparisons used by ``CaptureManager.validate``."""
+"""Graph-vs-eager comparisons: relative error, output and cache-state checks (``validate``, audits)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The nodes of a captured CUDA graph, read through the CUDA driver API.
 
-Frozen-value detection (``graphcap.frozen``) compares two captures of one bucket node by
+Frozen-value detection (``graphcap.verify.frozen``) compares two captures of one bucket node by
 node: kernel names, launch dimensions and the bytes of every kernel parameter. PyTorch exposes
 a kept graph's ``cudaGraph_t`` (``CUDAGraph(keep_graph=True).raw_cuda_graph()``); the nodes are
 read here with ctypes from ``libcuda`` (no extra package): ``cuGraphGetNodes``,

@@ -9,7 +9,7 @@ it: kernel names, launch dimensions and parameter bytes must agree, except where
 captures hold a device address (tensors of two captures live at different addresses) and
 where a repeated capture of either data set differs from its twin (bytes that change
 between identical captures, such as uninitialised padding inside by-value structs, carry no
-host value), and in parameters of a known empty type (``graphcap.kernel_types``: their one
+host value), and in parameters of a known empty type (``graphcap.verify.kernel_types``: their one
 byte is uninitialised, and may differ with the data that was on the host stack before).
 """
 
@@ -89,7 +89,7 @@ def compare_segments(first: Sequence[Sequence[GraphNode]], second: Sequence[Sequ
                 ref_b = second_again[s][i].params if second_again is not None else None
                 for j, (pa, pb) in enumerate(zip(a.params, b.params)):
                     if pa != pb and len(pa) == 1 and j in stateless_params(a.name, len(a.params)):
-                        continue  # an empty struct: one uninitialised byte (see graphcap.kernel_types)
+                        continue  # an empty struct: one uninitialised byte (see graphcap.verify.kernel_types)
                     noise = ref[j] if ref is not None and j < len(ref) else None
                     again = ref_b[j] if ref_b is not None and j < len(ref_b) else None
                     diff = param_difference(pa, pb, is_pointer, noise, again)

@@ -1,0 +1,1 @@
+"""Small rules every package shares (no graphcap, model or attention imports): value checks."""

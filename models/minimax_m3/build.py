@@ -1,0 +1,82 @@
+"""Building a MiniMax-M3 ``ModelRunner``: from a preset (random weights) or a checkpoint folder.
+
+The runner is the generic one (``models.runner``); what is MiniMax-M3's here is the cache
+layout (``MiniMaxM3Config.kv_cache_config``), the attention dims and the model itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from attention.dims import AttentionDims
+from attention.registry import make_backend
+from distributed import ParallelGroup
+from graphcap import CaptureConfig
+from kvcache.paged import PagedKVCache
+from models.runner import ModelRunner, capture_reserve
+
+from .config import MiniMaxM3Config
+from .model import MiniMaxM3ForCausalLM
+from .weights import load_checkpoint
+
+
+def runner_for(model: MiniMaxM3ForCausalLM, device: torch.device | str, backend: str, max_tokens: int,
+               max_seqs: int, max_seq_len: int, num_pages: int | None, capture: CaptureConfig | None) -> ModelRunner:
+    """A runner over ``model``: a paged cache of ``num_pages`` pages (default: ``max_seqs`` full
+    sequences) plus the capture reserve, and the attention ``backend`` on it."""
+    c = model.config
+    pages_per_seq = -(-max_seq_len // c.sparse_block_size)
+    rows, pages = capture_reserve(max_tokens, max_seqs, c.sparse_block_size, pages_per_seq * c.sparse_block_size)
+    kv = c.kv_cache_config(num_pages=num_pages or pages_per_seq * max_seqs, max_seqs=max_seqs,
+                           max_pages_per_seq=pages_per_seq, dtype=model.dtype, device=device,
+                           capture_rows=rows, capture_pages=pages)
+    cache = PagedKVCache(kv)
+    dims = AttentionDims.for_cache(cache, c.num_attention_heads, c.sparse_topk_blocks, max_tokens)
+    return ModelRunner(model, cache, make_backend(backend, cache, dims), max_tokens, max_seqs, capture)
+
+
+def sharded_for(config: MiniMaxM3Config, group: ParallelGroup | None) -> MiniMaxM3Config:
+    """``config`` as one rank of ``group``: a whole model is sharded ``shard(W, W)``; an
+    already sharded one is kept (the model checks that it fits the group)."""
+    if group is None or not group.distributed or (config.tp_size, config.ep_size) != (1, 1):
+        return config
+    return config.shard(group.world_size, group.world_size)
+
+
+def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                      *, seed: int = 0, backend: str = "auto", max_tokens: int = 512, max_seqs: int = 8,
+                      max_seq_len: int = 4096, num_pages: int | None = None, moe_impl: str = "auto",
+                      producer: str = "auto", capture: CaptureConfig | None = None,
+                      group: ParallelGroup | None = None) -> ModelRunner:
+    """A runner over a preset (``tiny``, ``slice``, ``rank_of_8``, ``real``) or a config, with
+    random weights (``init_random_(seed)``); with a distributed ``group``, this rank's shard of
+    the whole config (``sharded_for``). ``backend="auto"``: flashinfer (dense layers) and Triton
+    (sparse) on CUDA, the torch reference elsewhere (``attention.registry``)."""
+    config = name if isinstance(name, MiniMaxM3Config) else MiniMaxM3Config.preset(name)
+    model = MiniMaxM3ForCausalLM(sharded_for(config, group), dtype=dtype, device=device, moe_impl=moe_impl,
+                                 producer=producer, group=group)
+    model.init_random_(seed)
+    return runner_for(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
+
+
+def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str = "cpu",
+                          dtype: torch.dtype | None = None,
+                          *, num_layers: int | None = None, backend: str = "auto", max_tokens: int = 512,
+                          max_seqs: int = 8, max_seq_len: int = 4096, num_pages: int | None = None,
+                          moe_impl: str = "auto", producer: str = "auto",
+                          capture: CaptureConfig | None = None, group: ParallelGroup | None = None) -> ModelRunner:
+    """A runner over a checkpoint folder; ``num_layers`` keeps only the first layers. With a
+    distributed ``group``, each rank streams only its own slices of the checkpoint."""
+    config = MiniMaxM3Config.from_hf(folder)
+    truncate = num_layers is not None and num_layers != config.num_hidden_layers
+    if truncate:
+        config = config.first_layers(num_layers)  # type: ignore[arg-type]
+    model = MiniMaxM3ForCausalLM(sharded_for(config, group), dtype=dtype, device=device, moe_impl=moe_impl,
+                                 producer=producer, group=group)
+    load_checkpoint(model, folder, truncate_layers=truncate)
+    return runner_for(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
+
+
+__all__ = ["build_from_checkpoint", "build_from_preset", "runner_for", "sharded_for"]
