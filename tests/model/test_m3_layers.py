@@ -226,8 +226,9 @@ def test_moe_padded_rows_never_reach_experts(impl):
     out = m(x2, n)
     torch.testing.assert_close(out[:4], base[:4], atol=0, rtol=0)
     torch.testing.assert_close(out.double(), moe_ref(m, x2, num_real=4), atol=1e-3, rtol=1e-4)
-    # padded rows carry only the (request-independent) shared expert
-    torch.testing.assert_close(out[4:], m.shared_experts(x2[4:]), atol=1e-5, rtol=1e-5)
+    # padded rows carry only the (request-independent) shared expert: exactly, on the same batch shape
+    # (a 3-row slice may take another GEMM blocking and differ in the last bits)
+    torch.testing.assert_close(out[4:], m.shared_experts(x2)[4:], atol=0, rtol=0)
 
 
 def test_moe_grouped_equals_loop_bf16():
