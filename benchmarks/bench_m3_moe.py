@@ -30,7 +30,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 
 import torch
 from timing import graph_replay_us
@@ -117,18 +116,14 @@ def reference_fp32(x: torch.Tensor, local_ids: torch.Tensor, w: torch.Tensor, w1
 
 def torch_grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   sgu: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
-    """The model's torch path: ``BlockSparseMoE.routed_grouped`` on these weights (global ids,
-    expert offset 0) + the shared SwiGLU-OAI MLP, summed in fp32, cast to x.dtype."""
+    """The model's torch path: ``layers.routed_grouped`` (what ``BlockSparseMoE.routed_grouped``
+    runs) on these weights (global ids, expert offset 0) + the shared SwiGLU-OAI MLP, summed in
+    fp32, cast to x.dtype. A function of tensors: torch.compile sees the weights as inputs."""
     import torch.nn.functional as F
 
-    from models.minimax_m3.layers import BlockSparseMoE, swiglu_oai
+    from models.minimax_m3.layers import routed_grouped, swiglu_oai
 
-    # routed_grouped reads only these attributes of its module; a namespace lets each call
-    # pass its own weight set (and lets torch.compile see the weights as plain inputs).
-    shim = SimpleNamespace(experts=SimpleNamespace(num_experts=w13.shape[0], inter=w13.shape[1] // 2, w13=w13, w2=w2),
-                           expert_offset=0, alpha=ALPHA, limit=LIMIT)
-    shim._local_keys = lambda i: BlockSparseMoE._local_keys(shim, i)
-    routed = BlockSparseMoE.routed_grouped(shim, x, ids, w)
+    routed = routed_grouped(x, ids, w, w13, w2, ALPHA, LIMIT)
     n = sd.shape[1]
     gu = F.linear(x, sgu)
     shared = F.linear(swiglu_oai(gu[:, :n], gu[:, n:], ALPHA, LIMIT), sd)
@@ -154,6 +149,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadline: float, device: str,
                  compiled: Callable | None) -> list[Row]:
     from models.minimax_m3.kernels.moe import fused_moe, moe_config_candidates
+    from models.minimax_m3.routing import RoutingSpread
 
     gen = torch.Generator(device=device).manual_seed(1000 + T)
     dtype = wts.routed[0][0].dtype
@@ -163,6 +159,9 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
     ids = torch.where(local, gids, -1).to(torch.int32)
     w = torch.where(local, gw, 0.0).contiguous()
     n_exp = int(torch.unique(ids[ids >= 0]).numel())
+    spread = RoutingSpread("random-score", T, d.top_k, d.num_global, d.num_local, (n_exp,),
+                           (int((ids >= 0).sum()),))
+    print(f"T={T}: {spread.describe()}", flush=True)
     H, inter, Is = d.hidden, d.inter, d.shared_inter
     nbytes = float((n_exp * 3 * inter * H + 3 * Is * H) * 2 + 2 * T * H * 2 + T * d.top_k * 8)
     sets = wts.call_sets(args.calls)

@@ -36,6 +36,7 @@ from models.minimax_m3 import build_from_preset
 from models.minimax_m3 import ops as m3ops
 from models.minimax_m3.config import MiniMaxM3Config
 from models.minimax_m3.layers import gemma_rmsnorm, route, routed_grouped, swiglu_oai
+from models.minimax_m3.routing import measure_routing_spread
 from models.runner import ModelRunner
 from steps import TokenChunk
 
@@ -130,6 +131,8 @@ def main() -> None:
     base = build_from_preset(config, device, dtype, backend="auto", max_tokens=ceiling, max_seqs=max_seqs,
                              max_seq_len=args.context + chunk + args.decode_steps + 8, producer="torch")
     build_s = time.perf_counter() - t0
+    spread = measure_routing_spread(base, batch=32)
+    print(spread.describe(), flush=True)
     model, cache = base.model, base.cache
     for t in (cache.k_cache, cache.v_cache, cache.index_k_cache):
         t.normal_()  # random context: attention reads as much as it would over a real prompt
@@ -153,7 +156,8 @@ def main() -> None:
               "compile": None}
     results: dict = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
                          torch=torch.__version__, layers=args.layers,
-                         context=args.context, buckets=buckets, build_s=build_s, modes={})
+                         context=args.context, buckets=buckets, build_s=build_s, modes={},
+                         expert_spread=spread.as_dict())
     ref_logits: dict[str, torch.Tensor] = {}
     trace: dict | None = None
     print(f"MiniMax-M3 rank-of-8, {args.layers} layers, bf16, context {args.context}, buckets {buckets}; "

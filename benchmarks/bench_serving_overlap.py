@@ -27,6 +27,7 @@ from engine import Engine, EngineConfig, Request, SchedulerConfig
 from graphcap import CaptureConfig
 from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.routing import measure_routing_spread
 from models.runner import ModelRunner
 from steps import TokenChunk
 
@@ -105,6 +106,8 @@ def main() -> None:
     runner = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=args.max_tokens,
                                max_seqs=max(batches), max_seq_len=args.context + 2 * args.steps + 200,
                                capture=CaptureConfig(enabled=True, max_tokens=args.max_tokens))
+    spread = measure_routing_spread(runner, batch=32)
+    print(spread.describe(), flush=True)
     t0 = time.perf_counter()
     runner.capture()
     capture_s = time.perf_counter() - t0
@@ -132,8 +135,8 @@ def main() -> None:
     Console().print(t)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "capture_s": capture_s, "gpu": torch.cuda.get_device_name(), "rows": rows},
-                      f, indent=1)
+            json.dump({"args": vars(args), "capture_s": capture_s, "expert_spread": spread.as_dict(),
+                       "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from graphcap import CaptureConfig, GraphKey, Padding, Purpose
 from graphcap.report import stats_table
 from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.routing import measure_routing_spread
 from models.runner import ModelRunner
 from steps import TokenChunk
 
@@ -247,6 +248,9 @@ def main() -> None:
     res["validation_failures"] = {str(k): v for k, v in failures.items()}
     res["validate_phases"] = phases(runner)  # validate_s (replay vs eager) and frozen_s (--frozen)
     print(f"validate {res['validate_s']} s {res['validate_phases']}, failures: {failures or 'none'}", flush=True)
+    spread = measure_routing_spread(runner, batch=32)  # after the start-up figures: it runs eager steps
+    res["expert_spread"] = spread.as_dict()
+    print(spread.describe(), flush=True)
     res["memory_gib"] = dict(allocated=round(torch.cuda.memory_allocated() / 2**30, 2),
                              reserved=round(torch.cuda.memory_reserved() / 2**30, 2))
 

@@ -23,6 +23,7 @@ from engine import Engine, EngineConfig, SchedulerConfig, make_requests, serve
 from graphcap import CaptureConfig
 from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.routing import measure_routing_spread
 
 
 def main() -> None:
@@ -46,6 +47,7 @@ def main() -> None:
     runner = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=budget,
                                max_seqs=args.max_seqs, max_seq_len=phi + ohi, capture=capture)
     reference = runner.with_capture(dataclasses.replace(capture, debug_eager=True))
+    print(measure_routing_spread(runner, batch=32).describe(), flush=True)
     runner.capture()
     reference.capture()
     engine = Engine(runner, EngineConfig(SchedulerConfig(chunk_size=args.chunk), check_every=args.check_every),

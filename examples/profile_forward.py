@@ -33,6 +33,7 @@ from graphcap.report import coverage_table, kernel_table, measure_coverage, stat
 from graphcap.verify.compare import relative_error
 from models.minimax_m3 import build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.routing import ROUTINGS, measure_routing_spread
 from models.runner import ModelRunner
 from steps import TokenChunk
 
@@ -69,6 +70,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk of the mixed step")
     p.add_argument("--prefill-chunk", type=int, default=256, help="chunk size for prefilling the prompts")
     p.add_argument("--producer", default="auto", help="auto | torch | triton (the producer op table)")
+    p.add_argument("--routing", choices=ROUTINGS, default="model",
+                   help="model (the router; random weights get a calibrated bias), or a simulation: uniform, balanced")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--tp", type=int, default=None, help="shard over N ranks (launch with torchrun --nproc-per-node N)")
@@ -95,6 +98,7 @@ def main() -> None:
     graphed = build_from_preset(
         config, device, dtype, backend="auto", max_tokens=max(ceiling, args.prefill_chunk), max_seqs=max_seqs,
         max_seq_len=args.context + args.chunk + 8, producer=args.producer, capture=graphs, group=group,
+        routing=args.routing,
     )
     eager = graphed.with_capture(CaptureConfig(max_tokens=ceiling))
     # Eager through the same padded segment/splice path: the same kernels at the same shapes
@@ -106,6 +110,9 @@ def main() -> None:
                   f"{c.num_attention_heads} q / {c.num_key_value_heads} kv heads, {c.num_experts_per_rank} of "
                   f"{c.num_local_experts} experts" + (f" per rank of TP{args.tp}/EP{args.tp}" if group else "")
                   + f"; {device} {dtype}; attention {graphed.backend.describe()}; ops {graphed.model.ops.name}")
+    spread = measure_routing_spread(graphed, batch=32)
+    if spread is not None:
+        console.print(spread.describe())
     t0 = time.perf_counter()
     graphed.capture()
     failures = graphed.validate()
@@ -169,7 +176,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(
                 preset=args.preset, layers=config.num_hidden_layers, device=args.device, tp=args.tp or 1,
-                rows_by_rank=every_rank,
+                rows_by_rank=every_rank, expert_spread=spread.as_dict() if spread else None,
                 gpu=torch.cuda.get_device_name() if cuda else None, dtype=str(dtype),
                 backend=graphed.backend.describe(), ops=graphed.model.ops.name,
                 context=args.context, chunk=args.chunk, rows=rows, coverage=coverage, capture_and_validate_s=capture_s,

@@ -41,6 +41,7 @@ from graphcap import CaptureConfig
 from graphcap.config import MODES
 from models.minimax_m3 import build_from_checkpoint, build_from_preset
 from models.minimax_m3.config import MiniMaxM3Config
+from models.minimax_m3.routing import ROUTINGS, measure_routing_spread
 from models.runner import ModelRunner
 
 # Small defaults for the tiny preset (a CPU run in well under a minute); the serving
@@ -253,6 +254,8 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", choices=ROUTINGS, default="model",
+                   help="model (the router; random weights get a calibrated bias), or a simulation: uniform, balanced")
     p.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next launch")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--trace", default=None, help="chrome trace of a few steps of the last mode")
@@ -289,7 +292,7 @@ def main() -> None:
     group = group_for_tp(args.tp, args.device)
     max_seq_len = prompt_len[1] + output_len[1]
     kw = dict(device=group.device if group else args.device, dtype=dtype, backend="auto", max_tokens=args.token_budget,
-              max_seqs=args.concurrency, max_seq_len=max_seq_len, group=group)
+              max_seqs=args.concurrency, max_seq_len=max_seq_len, group=group, routing=args.routing)
     if args.checkpoint:
         base = build_from_checkpoint(args.checkpoint, num_layers=args.layers, **kw)
     else:
@@ -308,11 +311,14 @@ def main() -> None:
     rank = group.rank if group else 0
     console = Console(quiet=rank != 0)
     layers = base.model.config.num_hidden_layers
+    spread = measure_routing_spread(base, batch=32)
     console.print(f"{args.checkpoint or args.preset} ({layers} layers) on {args.device}: {args.requests} requests, "
                   + (f"Poisson {args.rate}/s" if args.rate else f"concurrency {args.concurrency}")
                   + f", prompts {prompt_len}, outputs {output_len}, chunk {args.chunk}, budget {args.token_budget}, "
                   + f"overlap {'off' if args.no_overlap else 'on'}" + (f", TP{args.tp}/EP{args.tp}" if group else "")
                   + (f", audits 1 graph step in {'/'.join(map(str, audits))}" if any(audits) else ""))
+    if spread is not None:
+        console.print(spread.describe())
     runs = [(mode, n) for mode in modes for n in (audits if mode != "none" else [0])]
     results = []
     for i, (mode, n) in enumerate(runs):
@@ -328,7 +334,8 @@ def main() -> None:
     if rank != 0:
         return
     if args.json:
-        meta = dict(vars(args), layers=layers, gpu=torch.cuda.get_device_name() if cuda else None)
+        meta = dict(vars(args), layers=layers, gpu=torch.cuda.get_device_name() if cuda else None,
+                    expert_spread=spread.as_dict() if spread else None)
         with open(args.json, "w") as f:
             json.dump({"args": meta, "results": results}, f, indent=1)
     title = plot_title(f"{args.checkpoint or args.preset} ({layers} layers), {args.requests} requests, "

@@ -14,7 +14,8 @@
 # profile_forward under torchrun at real width, --tp 1 beside the same run without a group, and
 # --tp <GPUs> when the machine has several), steps (60-layer decode 1/8/32 and mixed 30+1024, wall and
 # GPU-busy; with a checkout of an earlier commit in .baseline/, the same benchmark on it first, side
-# by side), audit (60-layer serving with audits off, 1 in 10 and 1 in 1000), or a pytest path.
+# by side), audit (60-layer serving with audits off, 1 in 10 and 1 in 1000), routing (60-layer steps
+# with the concentrated random router, the calibrated one and uniform routing), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -86,6 +87,13 @@ for part in "${parts[@]}"; do
                   PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} $T python3 benchmarks/bench_steps.py --label before --json "$OUT/bench_steps_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
                 fi
                 $T python3 benchmarks/bench_steps.py --label after --json "$OUT/bench_steps_after.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
+    routing)    # 60-layer steps under three routings, side by side: the uncalibrated random router
+                # (concentrated: earlier figures), the calibrated router, the uniform simulation
+                rc=0
+                for r in ${ROUTING_KINDS:-concentrated model uniform}; do
+                  flag="--routing $r"; [ "$r" = concentrated ] && flag="--concentrated"
+                  $T python3 benchmarks/bench_steps.py $flag --label "$r" --decode ${ROUTING_DECODE:-1,8,32,64} --json "$OUT/bench_steps_routing_$r.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                done ;;
     audit)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes full_and_piecewise --audit-every ${AUDIT_EVERY:-0,10,1000} --json "$OUT/serve_sim_audit.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac

@@ -39,6 +39,14 @@ def test_profile_forward_honours_the_environment(monkeypatch, capfd, tmp_path):
     assert graphs == {}  # GRAPHCAP_ENABLED=0: the "graphed" runner ran every step eagerly, so no graph was used
 
 
+def test_profile_forward_prints_the_expert_spread_of_a_simulated_routing(monkeypatch, capfd, tmp_path):
+    path = tmp_path / "p.json"
+    run_example("profile_forward.py", ["--decode", "1", "--context", "8", "--iters", "1", "--routing", "balanced",
+                                       "--json", str(path)], monkeypatch)
+    assert "expert spread (balanced routing, decode 2" in capfd.readouterr().out  # max_seqs = 1 + 1
+    assert json.loads(path.read_text())["expert_spread"]["routing"] == "balanced"
+
+
 def test_serve_sim_runs_the_mode_the_environment_names_beside_decode(monkeypatch, capfd, tmp_path):
     monkeypatch.setenv("GRAPHCAP_MODE", "piecewise")
     monkeypatch.setenv("GRAPHCAP_AUDIT_EVERY", "2")
@@ -50,6 +58,8 @@ def test_serve_sim_runs_the_mode_the_environment_names_beside_decode(monkeypatch
     assert results[1]["audits"] > 0 and results[1]["audit_mismatches"] == 0
     out = capfd.readouterr().out
     assert "finished / failed" in out and "4 / 0" in out
+    assert "expert spread (model routing, decode 2" in out  # capped by the concurrency
+    assert json.loads(path.read_text())["args"]["expert_spread"]["tokens"] == 2
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -49,15 +49,19 @@ def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = 
                       *, seed: int = 0, backend: str = "auto", max_tokens: int = 512, max_seqs: int = 8,
                       max_seq_len: int = 4096, num_pages: int | None = None, moe_impl: str = "auto",
                       producer: str = "auto", capture: CaptureConfig | None = None,
-                      group: ParallelGroup | None = None) -> ModelRunner:
+                      group: ParallelGroup | None = None, routing: str = "model",
+                      balance_routing: bool = True) -> ModelRunner:
     """A runner over a preset (``tiny``, ``slice``, ``rank_of_8``, ``real``) or a config, with
-    random weights (``init_random_(seed)``); with a distributed ``group``, this rank's shard of
-    the whole config (``sharded_for``). ``backend="auto"``: flashinfer (dense layers) and Triton
-    (sparse) on CUDA, the torch reference elsewhere (``attention.registry``)."""
+    random weights (``init_random_(seed, balance_routing)``: the routing bias calibrated so a
+    batch spreads over the experts as a trained model's does); with a distributed ``group``,
+    this rank's shard of the whole config (``sharded_for``). ``backend="auto"``: flashinfer
+    (dense layers) and Triton (sparse) on CUDA, the torch reference elsewhere
+    (``attention.registry``). ``routing``: ``model``, or a simulation (``uniform``,
+    ``balanced``: see ``MiniMaxM3ForCausalLM``)."""
     config = name if isinstance(name, MiniMaxM3Config) else MiniMaxM3Config.preset(name)
     model = MiniMaxM3ForCausalLM(sharded_for(config, group), dtype=dtype, device=device, moe_impl=moe_impl,
-                                 producer=producer, group=group)
-    model.init_random_(seed)
+                                 producer=producer, group=group, routing=routing)
+    model.init_random_(seed, balance_routing)
     return runner_for(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
 
 
@@ -66,15 +70,17 @@ def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str 
                           *, num_layers: int | None = None, backend: str = "auto", max_tokens: int = 512,
                           max_seqs: int = 8, max_seq_len: int = 4096, num_pages: int | None = None,
                           moe_impl: str = "auto", producer: str = "auto",
-                          capture: CaptureConfig | None = None, group: ParallelGroup | None = None) -> ModelRunner:
+                          capture: CaptureConfig | None = None, group: ParallelGroup | None = None,
+                          routing: str = "model") -> ModelRunner:
     """A runner over a checkpoint folder; ``num_layers`` keeps only the first layers. With a
-    distributed ``group``, each rank streams only its own slices of the checkpoint."""
+    distributed ``group``, each rank streams only its own slices of the checkpoint.
+    ``routing``: as for ``build_from_preset`` (the checkpoint's own router by default)."""
     config = MiniMaxM3Config.from_hf(folder)
     truncate = num_layers is not None and num_layers != config.num_hidden_layers
     if truncate:
         config = config.first_layers(num_layers)  # type: ignore[arg-type]
     model = MiniMaxM3ForCausalLM(sharded_for(config, group), dtype=dtype, device=device, moe_impl=moe_impl,
-                                 producer=producer, group=group)
+                                 producer=producer, group=group, routing=routing)
     load_checkpoint(model, folder, truncate_layers=truncate)
     return runner_for(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
 

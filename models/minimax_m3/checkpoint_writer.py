@@ -5,6 +5,10 @@ The folder gets a VL-layout ``config.json`` (``text_config`` inside), safetensor
 ``config.dtype``), one small ``vision_tower`` tensor (which loaders must ignore), and
 ``model.safetensors.index.json``. Tensors are generated one at a time and shards are flushed
 as they fill, so memory stays at about one shard.
+
+For an MXFP8 config (``config.quantization``) every projection and expert weight is the same
+random draw quantised (fp8 e4m3 ``weight`` + uint8 ``weight_scale_inv``, in one shard) and
+``config.json`` carries the ``quantization_config`` (top level of the VL layout, as released).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import MiniMaxM3Config
+from .mxfp8 import FP8, SCALE_SUFFIX, quantize_mxfp8
 from .weights import VL_PREFIX, checkpoint_layout
 
 
@@ -41,22 +46,28 @@ def write_synthetic_checkpoint(
     seed: int = 0,
     shard_size_bytes: int = 5 << 30,
     text_only: bool = False,
+    quantization: str | None = None,
 ) -> dict[str, str]:
     """Write a random checkpoint for ``config`` into ``folder`` (created if needed).
 
     Args:
-        config: an unsharded config.
+        config: an unsharded config; its ``quantization`` picks the format (MXFP8 or not).
+        quantization: ``"mxfp8"``: write ``config.with_quantization("mxfp8")`` (shorthand).
         seed: all values follow from it (see ``synthetic_tensor``).
         shard_size_bytes: a shard is closed once it reaches this size.
         text_only: write a plain text ``config.json`` and unprefixed keys, no vision tensor.
     Returns:
         The weight map (full key -> shard file name), as written to the index.
     """
+    if quantization is not None:
+        config = config.with_quantization(quantization)
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
     prefix = "" if text_only else VL_PREFIX
     dtype = config.torch_dtype
-    items = [(prefix + k, t.shape, torch.float32 if t.fp32 else dtype) for k, t in checkpoint_layout(config).items()]
+    stored = {"weight": FP8, "scale": torch.uint8}
+    items = [(prefix + k, t.shape, stored.get(t.mxfp8, torch.float32 if t.fp32 else dtype))
+             for k, t in checkpoint_layout(config).items()]
     if not text_only:
         items.append(("vision_tower.patch_embed.proj.weight", (8, 3, 2, 2), dtype))
 
@@ -72,9 +83,13 @@ def write_synthetic_checkpoint(
             pending, size = {}, 0
 
     for key, shape, dt in items:
-        t = synthetic_tensor(key, shape, dt, seed)
-        pending[key] = t
-        size += t.numel() * t.element_size()
+        if dt == torch.uint8:
+            continue  # MXFP8 scales: written with their weight, in the same shard
+        tensors = {key: synthetic_tensor(key, shape, dt, seed)} if dt != FP8 else \
+            dict(zip((key, key + SCALE_SUFFIX), quantize_mxfp8(synthetic_tensor(key, shape, torch.float32, seed))))
+        for k, t in tensors.items():
+            pending[k] = t
+            size += t.numel() * t.element_size()
         if size >= shard_size_bytes:
             flush()
     flush()
@@ -99,6 +114,8 @@ def write_synthetic_checkpoint(
         "text_config": text,
         "vision_config": {"model_type": "minimax_m3_vision", "hidden_size": 8},
     }
+    if not text_only and "quantization_config" in text:
+        cfg["quantization_config"] = text.pop("quantization_config")  # the VL release has it at the top level
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     return weight_map

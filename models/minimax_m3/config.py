@@ -17,6 +17,7 @@ from common.values import as_float, int_tuple, is_int
 from kvcache.paged import KVCacheConfig
 
 from .hf_config import read_config_json, translate_hf
+from .mxfp8 import MXFP8Config, as_quantization, check_block_alignment
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -60,6 +61,10 @@ class MiniMaxM3Config:
         tp_size: tensor-parallel degree this config is one rank of (1 = unsharded).
         ep_size: expert-parallel degree; this rank computes experts
             ``[0, num_local_experts // ep_size)`` and treats the rest as remote.
+        quantization: the weight format of the linears (``mxfp8.MXFP8Config``: fp8 weights with
+            E8M0 scales per [1, 32] block), or None for ``dtype`` weights. Kept by ``shard``,
+            ``first_layers`` and the presets; ``with_quantization("mxfp8")`` or
+            ``preset(name, "mxfp8")`` give the MXFP8 variant.
     """
 
     hidden_size: int = 6144
@@ -93,8 +98,10 @@ class MiniMaxM3Config:
     dtype: str = "bfloat16"
     tp_size: int = 1
     ep_size: int = 1
+    quantization: MXFP8Config | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantization", as_quantization(self.quantization))  # "mxfp8" -> MXFP8Config
         for name in ("moe_layer_freq", "sparse_attention_freq"):
             object.__setattr__(self, name, int_tuple(f"MiniMaxM3Config.{name}", getattr(self, name)))
         # Float constants: the RoPE base is raised to powers, eps is added under a root, the others
@@ -215,22 +222,29 @@ class MiniMaxM3Config:
         return cls()
 
     @classmethod
-    def tiny(cls, dtype: str = "float32") -> "MiniMaxM3Config":
+    def tiny(cls, dtype: str = "float32", quantization: str | MXFP8Config | None = None) -> "MiniMaxM3Config":
         """CPU-test model: layer 0 dense attention + dense MLP, layers 1..3 sparse + MoE.
 
         Block size 4 and top-3 blocks: sparse attention equals dense for positions < 12 and
         differs beyond (when the scores drop a block). The index head width (64) differs from
-        ``head_dim`` (32) so shape mix-ups between the two branches fail loudly.
+        ``head_dim`` (32) so shape mix-ups between the two branches fail loudly. MXFP8
+        (``quantization="mxfp8"``) widens the dense MLP (96) and shared expert (48) to 128, so
+        every input width, and its slice up to TP4, is whole 32-column blocks.
         """
+        wide = as_quantization(quantization) is not None
         return cls(
             hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, vocab_size=256, max_position_embeddings=4096, rope_theta=10000.0,
-            rotary_dim=16, dense_intermediate_size=96, intermediate_size=32,
-            shared_intermediate_size=48, n_shared_experts=1, num_local_experts=8,
+            rotary_dim=16, dense_intermediate_size=128 if wide else 96, intermediate_size=32,
+            shared_intermediate_size=128 if wide else 48, n_shared_experts=1, num_local_experts=8,
             num_experts_per_tok=2, moe_layer_freq=(0, 1, 1, 1), sparse_attention_freq=(0, 1, 1, 1),
             sparse_num_index_heads=2, sparse_index_dim=64, sparse_block_size=4,
-            sparse_topk_blocks=3, dtype=dtype,
+            sparse_topk_blocks=3, dtype=dtype, quantization=quantization,
         )
+
+    def with_quantization(self, quantization: str | MXFP8Config | None) -> "MiniMaxM3Config":
+        """This config with MXFP8 weights (``"mxfp8"`` or an ``MXFP8Config``) or unquantized (None)."""
+        return replace(self, quantization=as_quantization(quantization))
 
     @classmethod
     def slice(cls, num_layers: int = 7) -> "MiniMaxM3Config":
@@ -304,13 +318,16 @@ class MiniMaxM3Config:
         )
 
     @classmethod
-    def preset(cls, name: str) -> "MiniMaxM3Config":
-        """``tiny``, ``slice`` (7 layers), ``rank_of_8`` (also ``rank-of-8``) or ``real``."""
+    def preset(cls, name: str, quantization: str | MXFP8Config | None = None) -> "MiniMaxM3Config":
+        """``tiny``, ``slice`` (7 layers), ``rank_of_8`` (also ``rank-of-8``) or ``real``;
+        ``quantization="mxfp8"``: its MXFP8 variant (tiny's is wider, see ``tiny``)."""
         table = {"tiny": cls.tiny, "slice": cls.slice, "rank_of_8": cls.rank_of_8, "real": cls.real}
         key = name.replace("-", "_")
         if key not in table:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(table)}")
-        return table[key]()
+        if key == "tiny":
+            return cls.tiny(quantization=quantization)
+        return table[key]().with_quantization(quantization)
 
     # ----- HF translation --------------------------------------------------------------
     @classmethod
@@ -327,6 +344,8 @@ class MiniMaxM3Config:
         if self.tp_size != 1 or self.ep_size != 1:
             raise ValueError("to_hf_text() describes a whole model; this config is one rank of a shard")
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_HF}
+        if (q := d.pop("quantization")) is not None:
+            d["quantization_config"] = q.to_hf()
         sparse = {k: d.pop(k) for k in list(d) if k.startswith("sparse_")}
         for k in ("moe_layer_freq", "sparse_attention_freq"):
             (sparse if k in sparse else d)[k] = list(sparse.get(k, d.get(k)))
@@ -390,6 +409,8 @@ def _validate(c: MiniMaxM3Config) -> None:
         raise ValueError("tie_word_embeddings=True is unsupported (M3 has its own lm_head)")
     if c.dtype not in _DTYPES:
         raise ValueError(f"dtype={c.dtype!r} is unsupported; choose one of {sorted(_DTYPES)}")
+    if c.quantization is not None:
+        check_block_alignment(c)
 
 
 _NOT_HF = frozenset({"tp_size", "ep_size"})

@@ -12,6 +12,8 @@ import os
 from dataclasses import Field
 from typing import Any, Callable, Mapping, Sequence
 
+from .mxfp8 import MXFP8Config
+
 
 class _Required:
     def __repr__(self) -> str:
@@ -55,7 +57,7 @@ _FIXED = {
     "sparse_score_type": "max",
 }
 # Present-and-set means a feature this implementation does not have.
-_ABSENT = ("rope_scaling", "quantization_config", "sliding_window")
+_ABSENT = ("rope_scaling", "sliding_window")
 
 
 def translate_hf(raw: Mapping[str, Any], config_fields: Sequence[Field], skip: frozenset[str]) -> dict[str, Any]:
@@ -81,6 +83,7 @@ def translate_hf(raw: Mapping[str, Any], config_fields: Sequence[Field], skip: f
     out["rotary_dim"] = _read_rotary_dim(src, out["head_dim"])
     out.update(_read_layer_lists(src, out["num_hidden_layers"]))
     out["dtype"] = _read_dtype(raw, text)
+    out["quantization"] = _read_quantization(raw, text)
     return out
 
 
@@ -141,7 +144,7 @@ def _check_fixed_flags(src: _TextConfig) -> None:
 
 
 # Config fields with their own reader below (derived, looked up under another key, or per layer).
-_READ_ELSEWHERE = frozenset({"rotary_dim", "dtype", "moe_layer_freq", "sparse_attention_freq"})
+_READ_ELSEWHERE = frozenset({"rotary_dim", "dtype", "moe_layer_freq", "sparse_attention_freq", "quantization"})
 
 
 def _read_fields(src: _TextConfig, config_fields: Sequence[Field], skip: frozenset[str]) -> dict[str, Any]:
@@ -237,6 +240,17 @@ def _read_dtype(raw: Mapping[str, Any], text: Mapping[str, Any]) -> str:
                 )
             return value.removeprefix("torch.")
     return "bfloat16"
+
+
+def _read_quantization(raw: Mapping[str, Any], text: Mapping[str, Any]) -> MXFP8Config | None:
+    """``quantization_config`` (top level, where HF writes it, or inside ``text_config``) -> the
+    MXFP8 config, or None (unquantized) when absent or null."""
+    top, inner = raw.get("quantization_config"), text.get("quantization_config") if text is not raw else None
+    if top is not None and inner is not None and top != inner:
+        raise ValueError("config.json has different quantization_config blocks at the top level and in text_config; "
+                         "keep one")
+    q = top if top is not None else inner
+    return None if q is None else MXFP8Config.from_hf(q)
 
 
 # ----- JSON field readers ---------------------------------------------------------------

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .mxfp8 import BLOCK, FP8, MXFP8Config, dequantize_mxfp8, make_linear, scale_parameter
+
 
 def gemma_rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * (1 + w)`` over the last dim, in fp32 (the one Gemma
@@ -62,15 +64,16 @@ class DenseMLP(nn.Module):
     """SwiGLU-OAI MLP with fused ``gate_up_proj [2I, H]`` (gate rows first) and ``down_proj``.
 
     Used for the dense layers' ``mlp`` and for ``block_sparse_moe.shared_experts``; ``forward``
-    is the one dense-MLP path of the torch op table.
+    is the one dense-MLP path of the torch op table. With ``quantization`` both projections are
+    ``mxfp8.MXFP8Linear`` (fp8 weights, dequantised in their forward).
     """
 
     def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, quantization: MXFP8Config | None = None) -> None:
         super().__init__()
         self.inter, self.alpha, self.limit = inter, alpha, limit
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = make_linear(hidden, 2 * inter, quantization, dtype, device)
+        self.down_proj = make_linear(inter, hidden, quantization, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, H]`` -> ``[T, H]``."""
@@ -109,14 +112,33 @@ def route(
 
 
 class StackedExperts(nn.Module):
-    """Routed experts held by this rank: ``w13 [E, 2I, H]`` (gate rows, then up), ``w2 [E, H, I]``."""
+    """Routed experts held by this rank: ``w13 [E, 2I, H]`` (gate rows, then up), ``w2 [E, H, I]``.
+
+    With ``quantization`` (MXFP8) both are fp8 e4m3, with uint8 E8M0 scales beside them:
+    ``w13_scale_inv [E, 2I, H/32]`` and ``w2_scale_inv [E, H, I/32]``.
+    """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, quantization: MXFP8Config | None = None) -> None:
         super().__init__()
         self.num_experts, self.inter = num_experts, inter
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device))
+        self.dtype = dtype  # the compute dtype (activations), also of fp8 experts
+        self.quantized = quantization is not None
+        wdt = FP8 if self.quantized else dtype
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=wdt, device=device))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=wdt, device=device))
+        if self.quantized:
+            self.w13_scale_inv = scale_parameter((num_experts, 2 * inter, hidden // BLOCK), device)
+            self.w2_scale_inv = scale_parameter((num_experts, hidden, inter // BLOCK), device)
+
+    def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` for the torch MoE: the parameters themselves, or
+        for MXFP8 experts both dequantised to ``dtype`` (fresh tensors every call, all ``E``
+        experts: the torch path's cost until fp8 MoE kernels replace it)."""
+        if not self.quantized:
+            return self.w13, self.w2
+        return (dequantize_mxfp8(self.w13, self.w13_scale_inv, dtype),
+                dequantize_mxfp8(self.w2, self.w2_scale_inv, dtype))
 
 
 class BlockSparseMoE(nn.Module):
@@ -141,7 +163,8 @@ class BlockSparseMoE(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, num_local: int, top_k: int, inter: int, shared_inter: int,
                  scale: float, alpha: float, limit: float, dtype: torch.dtype,
-                 device: torch.device | str | None = None, expert_offset: int = 0) -> None:
+                 device: torch.device | str | None = None, expert_offset: int = 0,
+                 quantization: MXFP8Config | None = None) -> None:
         super().__init__()
         self.top_k, self.scale, self.alpha, self.limit = top_k, scale, alpha, limit
         self.expert_offset = expert_offset
@@ -149,29 +172,36 @@ class BlockSparseMoE(nn.Module):
         # flip near-tied selections.
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=torch.float32, device=device)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device))
-        self.experts = StackedExperts(num_local, hidden, inter, dtype, device)
-        self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype, device)
+        self.experts = StackedExperts(num_local, hidden, inter, dtype, device, quantization)
+        self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype, device, quantization)
 
     def forward(self, x: torch.Tensor, num_real_tokens: torch.Tensor | None, grouped: bool = True) -> torch.Tensor:
         """x: ``[T, H]`` -> ``[T, H]``; padded rows (``>= num_real_tokens``) skip routed experts."""
         ids, w = route(x, self.gate.weight, self.e_score_correction_bias, self.top_k, self.scale, num_real_tokens)
+        return self.routed_and_shared(x, ids, w, grouped)
+
+    def routed_and_shared(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """The experts for given routing (ids ``[T, k]``, -1 on padded rows; weights fp32
+        ``[T, k]``): this rank's routed experts plus the shared expert, ``[T, H]`` in x's dtype."""
         routed = self.routed_grouped(x, ids, w) if grouped else self.routed_loop(x, ids, w)
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
     def routed_grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Sorted pairs + grouped GEMMs. Returns fp32 ``[T, H]``."""
-        return routed_grouped(x, ids, w, self.experts.w13, self.experts.w2, self.alpha, self.limit, self.expert_offset)
+        w13, w2 = self.experts.compute_weights(x.dtype)
+        return routed_grouped(x, ids, w, w13, w2, self.alpha, self.limit, self.expert_offset)
 
     def routed_loop(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Every local expert on every row, weighted by a dense combine matrix. fp32 ``[T, H]``."""
         ex = self.experts
         n = ex.num_experts
+        w13, w2 = ex.compute_weights(x.dtype)
         comb = torch.zeros(x.shape[0], n + 1, dtype=torch.float32, device=x.device)
         comb.scatter_add_(1, local_expert_keys(ids, self.expert_offset, n), w)  # column n: remote/padded pairs
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e in range(n):
-            h = F.linear(x, ex.w13[e])
-            y = F.linear(swiglu_oai(h[:, : ex.inter], h[:, ex.inter :], self.alpha, self.limit), ex.w2[e])
+            h = F.linear(x, w13[e])
+            y = F.linear(swiglu_oai(h[:, : ex.inter], h[:, ex.inter :], self.alpha, self.limit), w2[e])
             out += comb[:, e : e + 1] * y.float()
         return out
 

@@ -6,6 +6,10 @@ Fused parameters (the loader fills them from the separate checkpoint tensors):
 - ``mlp.gate_up_proj`` and ``shared_experts.gate_up_proj``: gate rows, then up rows;
 - ``block_sparse_moe.experts.w13 [E, 2I, H]`` (w1 = gate, then w3 = up) and ``w2 [E, H, I]``.
 
+An MXFP8 model (``config.quantization``) holds every one of these projections in fp8 with E8M0
+scales: ``mxfp8.MXFP8Linear`` (``weight`` + ``weight_scale_inv``) and ``w13/w2`` +
+``w13_scale_inv/w2_scale_inv``; embeddings, lm_head, norms and the router stay unquantized.
+
 The forward reads only its inputs, its weights, the KV cache (through the op table's cache
 writes) and the attention splice points (``backend.dense`` / ``backend.sparse``); it never
 looks at capture state or step metadata, so graphcap can record everything between splices.
@@ -28,7 +32,9 @@ from kvcache.paged import PagedKVCache
 from .config import MiniMaxM3Config
 from .kernels.producer import HeadNorms, QKVLayout
 from .layers import BlockSparseMoE, DenseMLP, GemmaRMSNorm
+from .mxfp8 import FP8, SCALE_SUFFIX, make_linear, quantize_mxfp8
 from .ops import M3Ops, make_ops
+from .routing import calibrate_routing_bias_
 
 
 class LayerInputs(NamedTuple):
@@ -69,13 +75,13 @@ class M3Attention(nn.Module):
         self.layer, self.sparse = layer, c.is_sparse(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.num_index_heads, self.index_dim = c.sparse_num_index_heads, c.sparse_index_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, c.qkv_size(layer), bias=False, dtype=dtype, device=device)
+        self.qkv_proj = make_linear(c.hidden_size, c.qkv_size(layer), c.quantization, dtype, device)
         self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
         if self.sparse:
             self.index_q_norm = GemmaRMSNorm(c.sparse_index_dim, c.rms_norm_eps, dtype, device)
             self.index_k_norm = GemmaRMSNorm(c.sparse_index_dim, c.rms_norm_eps, dtype, device)
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, dtype=dtype, device=device)
+        self.o_proj = make_linear(c.q_size, c.hidden_size, c.quantization, dtype, device)
         self.layout = QKVLayout(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                 c.sparse_num_index_heads if self.sparse else 0,
                                 c.sparse_index_dim if self.sparse else 0, c.rotary_dim, c.rms_norm_eps)
@@ -118,10 +124,11 @@ class M3DecoderLayer(nn.Module):
             self.block_sparse_moe = BlockSparseMoE(
                 c.hidden_size, c.num_local_experts, c.num_experts_per_rank, c.num_experts_per_tok,
                 c.intermediate_size, c.shared_width, c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
-                dtype, device, expert_offset,
+                dtype, device, expert_offset, c.quantization,
             )
         else:
-            self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype, device)
+            self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype, device,
+                                c.quantization)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +176,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
             logits, all-reduces after o_proj and the MLP/MoE, experts
             ``[rank * E/W, (rank+1) * E/W)``. Default: one process, no collectives (a sharded
             config then models one rank with the collectives left out, as ``rank_of_8``).
+        routing: ``model`` (the router's choices), or for measurements ``uniform`` / ``balanced``
+            (``routing.RoutingSimulation``: the router's ids replaced on the device).
 
     Raises:
         ValueError: a distributed ``group`` whose world size differs from the config's
@@ -178,7 +187,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
     def __init__(self, config: MiniMaxM3Config, cache: PagedKVCache | None = None,
                  backend: AttentionBackend | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, moe_impl: str = "auto", producer: str = "auto",
-                 group: ParallelGroup | None = None) -> None:
+                 group: ParallelGroup | None = None, routing: str = "model") -> None:
         super().__init__()
         group = group or ParallelGroup.single(device or "cpu")
         if group.distributed and not config.tp_size == config.ep_size == group.world_size:
@@ -188,7 +197,9 @@ class MiniMaxM3ForCausalLM(nn.Module):
             )
         self.config, self.group = config, group
         self.dtype = dtype or config.torch_dtype
-        self.ops = make_ops(producer, device, self.dtype, moe_impl)
+        # MXFP8 weights: the fused MoE reads fp8 experts and their scales itself; the projections
+        # are MXFP8Linear modules (dequantised per call: fp8 GEMM kernels are still to come).
+        self.ops = make_ops(producer, device, self.dtype, moe_impl, routing)
         offset = group.rank * config.num_experts_per_rank if group.distributed else 0
         self.model = M3Model(config, self.dtype, device, offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype, device=device)
@@ -268,17 +279,23 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return vocab_parallel.logits(self.lm_head, hidden, self.group)
 
     @torch.no_grad()
-    def init_random_(self, seed: int = 0) -> None:
+    def init_random_(self, seed: int = 0, balance_routing: bool = True) -> None:
         """Fill every parameter with deterministic random values of a sensible scale:
         linear and expert weights ``N(0, 1/fan_in)``, embeddings ``N(0, 1)``, norm offsets
-        and the routing bias ``N(0, 0.1^2)``.
+        ``N(0, 0.1^2)``. ``balance_routing``: the routing bias is then calibrated
+        (``routing.calibrate_routing_bias_``: one eager prefill of random prompts) so that
+        tokens spread over the experts as a trained model's do; else it is ``N(0, 0.1^2)``
+        and a random router sends a batch to a few experts.
 
         Sharded over a group, the replicated parameters (norms, routing bias, router) are equal
         on every rank, so all ranks route alike; the sharded ones are drawn per rank (a valid
         model of the sharded shapes, not slices of one unsharded model: load a checkpoint for
         that)."""
         salt = self.group.rank * 7_919 if self.group.distributed else 0
-        for name, p in self.named_parameters():
+        params = dict(self.named_parameters())
+        for name, p in params.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue  # MXFP8 scales: written with their weight
             replicated = p.dim() == 1 or name.endswith(".gate.weight")
             key = seed * 1_000_003 + _stable_hash(name) + (0 if replicated else salt)
             gen = torch.Generator(device=p.device).manual_seed(key)
@@ -288,7 +305,15 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 std = 1.0
             else:
                 std = p.shape[-1] ** -0.5
-            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std).to(p.dtype))
+            value = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std)
+            if p.dtype == FP8:  # MXFP8: the same draw as unquantized, quantised into the weight and its scales
+                q, scale = quantize_mxfp8(value)
+                p.copy_(q)
+                params[name + SCALE_SUFFIX].copy_(scale)
+            else:
+                p.copy_(value.to(p.dtype))
+        if balance_routing:
+            calibrate_routing_bias_(self, make_ops("torch", next(self.parameters()).device, self.dtype), seed)
 
 
 def _stable_hash(s: str) -> int:

@@ -26,7 +26,7 @@ Ops (``T`` tokens, hidden ``H``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -36,6 +36,10 @@ from models.runner.protocol import OpTable
 
 from .kernels.producer import HeadNorms, QKVLayout, norm_rope_cache_write, norm_rope_torch
 from .layers import BlockSparseMoE, DenseMLP, gemma_rmsnorm
+from .routing import RoutingSimulation, routing_simulation, select_experts
+
+if TYPE_CHECKING:  # the kernels import Triton; the torch op table must not need it
+    from .kernels.moe import MoEScales
 
 PRODUCERS = ("auto", "torch", "triton")
 MOE_IMPLS = ("auto", "grouped", "loop")
@@ -64,12 +68,16 @@ def mlp_torch(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return mlp(x)
 
 
-def moe_torch_grouped(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
-    return moe(x, num_real_tokens, grouped=True)
+class TorchMoE:
+    """The torch MoE (``layers.BlockSparseMoE``): ``grouped`` GEMMs or the ``loop``, with the
+    router's choices or a ``routing.RoutingSimulation``'s."""
 
+    def __init__(self, grouped: bool, simulation: RoutingSimulation | None = None) -> None:
+        self.grouped, self.simulation = grouped, simulation
 
-def moe_torch_loop(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
-    return moe(x, num_real_tokens, grouped=False)
+    def __call__(self, moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
+        ids, w = select_experts(moe, x, num_real_tokens, self.simulation)
+        return moe.routed_and_shared(x, ids, w, self.grouped)
 
 
 # ---- fused CUDA kernels (Triton) -------------------------------------------------------------
@@ -108,23 +116,53 @@ def mlp_triton(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(swiglu_oai_triton(mlp.gate_up_proj(x), mlp.alpha, mlp.limit))
 
 
+def moe_scales(moe: BlockSparseMoE) -> MoEScales | None:
+    """The MXFP8 scales of an fp8 MoE (routed and shared experts) for the fused kernels, or None."""
+    if not moe.experts.quantized:
+        return None
+    from .kernels.moe import MoEScales
+
+    ex, sh = moe.experts, moe.shared_experts
+    return MoEScales(ex.w13_scale_inv, ex.w2_scale_inv, sh.gate_up_proj.weight_scale_inv,
+                     sh.down_proj.weight_scale_inv)
+
+
 class FusedMoE:
     """Triton router (two kernels) + fused MoE (four kernels, shared expert included), with a
     validated configuration per token count."""
 
-    def __init__(self, tuner: KernelTuner) -> None:
-        self.tuner = tuner
+    def __init__(self, tuner: KernelTuner, simulation: RoutingSimulation | None = None) -> None:
+        self.tuner, self.simulation = tuner, simulation
         self._configs: dict[int, object] = {}  # token count -> the validated MoEConfig
 
     def route(self, moe: BlockSparseMoE, x: torch.Tensor,
               num_real_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        from .kernels.router import route_triton
+        return self._route(moe, x, num_real_tokens, self.simulation)
 
-        T, K = x.shape[0], moe.top_k
+    @staticmethod
+    def _route(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None,
+               simulation: RoutingSimulation | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router, then the simulation if any (one kernel: ``kernels.routing_sim``). Returns
+        this rank's local ids int32 ``[T, k]`` (-1: padding or another rank's expert) and the
+        weights fp32 ``[T, k]`` (0 where the id is -1)."""
+        from .kernels.router import route_triton
+        from .kernels.routing_sim import simulated_routing_triton
+
+        T, K, E = x.shape[0], moe.top_k, moe.gate.weight.shape[0]
         ids = torch.empty(T, K, dtype=torch.int32, device=x.device)
         w = torch.empty(T, K, dtype=torch.float32, device=x.device)
-        route_triton(x, moe.gate.weight, moe.e_score_correction_bias, K, moe.scale, num_real_tokens,
-                     moe.expert_offset, moe.experts.num_experts, ids, w)
+        if simulation is None:
+            route_triton(x, moe.gate.weight, moe.e_score_correction_bias, K, moe.scale, num_real_tokens,
+                         moe.expert_offset, moe.experts.num_experts, ids, w)
+            return ids, w
+        simulation.check_experts(E)
+        picks, picked_w = torch.empty_like(ids), torch.empty_like(w)
+        # Every pick global and unmasked (all experts "local" to rank 0), then re-picked and kept
+        # where this rank holds the simulated expert.
+        route_triton(x, moe.gate.weight, moe.e_score_correction_bias, K, moe.scale, num_real_tokens, 0, E, picks,
+                     picked_w)
+        simulated_routing_triton(x, picks, picked_w, simulation.strategy == "uniform", simulation.stride(E), E,
+                                 moe.expert_offset, moe.experts.num_experts, ids, w)
         return ids, w
 
     def experts(self, moe: BlockSparseMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -134,7 +172,7 @@ class FusedMoE:
         out = torch.empty_like(x)
         sh = moe.shared_experts
         return fused_moe(x, ids, w, moe.experts.w13, moe.experts.w2, sh.gate_up_proj.weight, sh.down_proj.weight,
-                         moe.alpha, moe.limit, out, config=config or self._config(x.shape[0]))
+                         moe.alpha, moe.limit, out, config=config or self._config(x.shape[0]), scales=moe_scales(moe))
 
     def __call__(self, moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
         ids, w = self.route(moe, x, num_real_tokens)
@@ -161,7 +199,7 @@ class FusedMoE:
             return
         moe, x = probe
         dev, dtype = x.device, x.dtype
-        ids, w = self.route(moe, x, None)
+        ids, w = self._probe_routing(moe, x)
         sh = moe.shared_experts
         configs = moe_config_candidates(num_tokens)
         if dev.type != "cuda" or not tune:
@@ -173,10 +211,11 @@ class FusedMoE:
         def reference() -> torch.Tensor:
             out = torch.empty_like(x)
             return fused_moe_torch(x, ids, w, moe.experts.w13, moe.experts.w2, sh.gate_up_proj.weight,
-                                   sh.down_proj.weight, moe.alpha, moe.limit, out)
+                                   sh.down_proj.weight, moe.alpha, moe.limit, out, scales=moe_scales(moe))
 
         e, two_i, h = moe.experts.w13.shape
-        signature = f"E{e} 2I{two_i} H{h} k{moe.top_k} shared{sh.gate_up_proj.weight.shape[0]} {dtype}"
+        weights = "mxfp8" if moe.experts.quantized else str(dtype)
+        signature = f"E{e} 2I{two_i} H{h} k{moe.top_k} shared{sh.gate_up_proj.weight.shape[0]} {weights} probe uniform"
         name = self.tuner.choose("moe", num_tokens, candidates, reference,
                                  tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature)
         self._configs[num_tokens] = by_name[name]
@@ -191,9 +230,15 @@ class FusedMoE:
         if probe is None:
             return
         moe, x = probe
-        ids, w = self.route(moe, x, None)
+        ids, w = self._probe_routing(moe, x)
         for config in moe_config_candidates(num_tokens):
             self.experts(moe, x, ids, w, config)
+
+    def _probe_routing(self, moe: BlockSparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The probe's routing: the router's weights, uniform expert ids (``RoutingSimulation``),
+        so candidates are timed on the expert spread a balanced, trained model gives, not on the
+        few experts a random router may favour."""
+        return self._route(moe, x, None, _PROBE_ROUTING)
 
     @staticmethod
     def _probe(model: torch.nn.Module, num_tokens: int) -> tuple[BlockSparseMoE, torch.Tensor] | None:
@@ -202,9 +247,12 @@ class FusedMoE:
         moe = next((m for m in model.modules() if isinstance(m, BlockSparseMoE)), None)
         if moe is None:
             return None
-        dev, dtype = moe.experts.w13.device, moe.experts.w13.dtype
+        dev, dtype = moe.experts.w13.device, moe.experts.dtype
         gen = torch.Generator(device=dev).manual_seed(num_tokens)
         return moe, torch.randn(num_tokens, moe.experts.w13.shape[2], generator=gen, device=dev).to(dtype)
+
+
+_PROBE_ROUTING = RoutingSimulation("uniform")
 
 
 # ---- the table ---------------------------------------------------------------------------
@@ -220,6 +268,7 @@ class M3Ops(OpTable):
     mlp: Callable[..., torch.Tensor]
     moe: Callable[..., torch.Tensor]
     tuner: KernelTuner | None = None
+    routing: RoutingSimulation | None = None  # what replaced the router's choices (None: the router)
 
     def choose_kernels(self, model: torch.nn.Module, num_tokens: int, tune: bool = True) -> None:
         """Host work before a forward of ``num_tokens`` rows (outside any capture); ``tune``:
@@ -254,26 +303,30 @@ def choice_store(device: torch.device) -> ChoiceStore | None:
     return ChoiceStore(jit_cache.kernel_choices_file(), namespace)
 
 
-def make_ops(producer: str, device: torch.device | str | None, dtype: torch.dtype, moe_impl: str = "auto") -> M3Ops:
+def make_ops(producer: str, device: torch.device | str | None, dtype: torch.dtype, moe_impl: str = "auto",
+             routing: str = "model") -> M3Ops:
     """The op table for ``producer``: ``triton`` (fused kernels; ``auto`` on CUDA) or ``torch``
     (``auto`` elsewhere). ``moe_impl`` picks the torch MoE: ``grouped`` (``torch._grouped_mm``
     where supported, the ``auto`` choice) or ``loop`` (see ``layers.BlockSparseMoE``).
+    ``routing``: ``model`` (the router's choices) or a simulation for measurements,
+    ``uniform`` or ``balanced`` (``routing.RoutingSimulation``, on the device, in the graphs).
 
     Raises:
-        ValueError: unknown ``producer`` or ``moe_impl``.
+        ValueError: unknown ``producer``, ``moe_impl`` or ``routing``.
     """
     if producer not in PRODUCERS:
         raise ValueError(f"producer={producer!r}: choose one of {PRODUCERS}")
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={moe_impl!r}: choose one of {MOE_IMPLS}")
     dev = torch.device(device or "cpu")
+    sim = routing_simulation(routing)
     if producer == "auto":
         producer = "triton" if dev.type == "cuda" else "torch"
     if producer == "triton":
         tuner = KernelTuner(time_candidates=dev.type == "cuda", store=choice_store(dev))
         return M3Ops("triton", norm_rope_write_triton, rmsnorm_triton, add_rmsnorm_triton, mlp_triton,
-                     FusedMoE(tuner), tuner)
+                     FusedMoE(tuner, sim), tuner, sim)
     if moe_impl == "auto":
         moe_impl = "grouped" if grouped_mm_supported(dev, dtype) else "loop"
-    moe = moe_torch_grouped if moe_impl == "grouped" else moe_torch_loop
-    return M3Ops(f"torch+{moe_impl}", norm_rope_write_torch, gemma_rmsnorm, add_rmsnorm_torch, mlp_torch, moe)
+    return M3Ops(f"torch+{moe_impl}", norm_rope_write_torch, gemma_rmsnorm, add_rmsnorm_torch, mlp_torch,
+                 TorchMoE(moe_impl == "grouped", sim), routing=sim)

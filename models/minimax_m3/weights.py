@@ -10,6 +10,12 @@ Loading is two passes over the shard headers and data:
 2. one tensor at a time, copied (and cast) into its slice of the fused parameters in place,
    so parameter addresses never move (captured graphs stay valid).
 
+MXFP8 checkpoints (``quantization_config.quant_method: mxfp8``) hold every attention, MLP and
+expert projection as fp8 e4m3 (``F8_E4M3``) with its E8M0 scales (``U8``) in
+``<name>.weight_scale_inv``, and load into an MXFP8 model unchanged (fp8 stays fp8): scales fuse
+and shard exactly as their weights' rows, and a TP slice of input columns reads scale columns
+``/ 32``. The loader refuses an MXFP8 checkpoint into an unquantized model and the reverse.
+
 Ignored on purpose: vision tensors (``vision_tower.*``, ``multi_modal_projector.*``,
 ``patch_merge_mlp.*``) and MTP draft layers (``model.mtp.*``), which are not part of the
 text backbone.
@@ -20,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Iterator
 
 import torch
@@ -30,12 +36,14 @@ from distributed.sharding import head_slice, split_slice
 
 from .config import MiniMaxM3Config
 from .model import MiniMaxM3ForCausalLM
+from .mxfp8 import BLOCK, SCALE_SUFFIX, invalid_count
 
 VL_PREFIX = "language_model."
 IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
 MTP_PREFIX = "model.mtp."
 _ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_MXFP8_DTYPE = {"weight": "F8_E4M3", "scale": "U8"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class Target:
         shape: the checkpoint tensor's expected (full, unsharded) shape.
         fp32: stored in fp32 whatever the checkpoint dtype (router gate and bias).
         source: indexing into the checkpoint tensor: the part this rank reads (``()`` = all).
+        mxfp8: ``"weight"`` (fp8 e4m3 values), ``"scale"`` (their uint8 E8M0 scales) or ``""``
+            (not quantized: the checkpoint dtype, or fp32).
     """
 
     param: str | None
@@ -57,6 +67,7 @@ class Target:
     shape: tuple[int, ...]
     fp32: bool = False
     source: tuple = ()
+    mxfp8: str = ""
 
 
 def checkpoint_layout(c: MiniMaxM3Config, rank: int = 0, world: int = 1) -> dict[str, Target]:
@@ -125,6 +136,27 @@ def checkpoint_layout(c: MiniMaxM3Config, rank: int = 0, world: int = 1) -> dict
             out.update(_mlp_layout(f"{m}shared_experts.", H, c.shared_width, rank, world))
         else:
             out.update(_mlp_layout(f"{p}mlp.", H, c.dense_intermediate_size, rank, world))
+    return out if c.quantization is None else _mxfp8_layout(out)
+
+
+def _mxfp8_layout(layout: dict[str, Target]) -> dict[str, Target]:
+    """The MXFP8 layout: every projection (``*_proj``) and expert weight marked fp8 and followed
+    by its ``weight_scale_inv`` ``[rows, in / 32]``, which goes where the weight's rows go (same
+    fused rows, same expert) and reads input columns ``/ 32`` (the config keeps TP column
+    slices whole blocks: ``mxfp8.check_block_alignment``)."""
+    out: dict[str, Target] = {}
+    for key, t in layout.items():
+        if not (key.endswith("_proj.weight") or ".experts." in key):
+            out[key] = t  # embeddings, lm_head, norms, router gate and bias: unquantized
+            continue
+        out[key] = replace(t, mxfp8="weight")
+        src = t.source
+        if len(src) == 2:  # a TP slice of input columns
+            cols = src[1]
+            assert cols.start % BLOCK == 0 and cols.stop % BLOCK == 0, (key, cols)
+            src = (src[0], slice(cols.start // BLOCK, cols.stop // BLOCK))
+        out[key + SCALE_SUFFIX] = Target(None if t.param is None else t.param + SCALE_SUFFIX, t.index,
+                                         (t.shape[0], t.shape[1] // BLOCK), source=src, mxfp8="scale")
     return out
 
 
@@ -236,8 +268,9 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *,
             slice of the full model); layers beyond the model's are skipped.
 
     Raises:
-        ValueError: config mismatch, or missing / unexpected / mis-shaped / mis-typed keys
-            (each named, with expected vs found); nothing is copied in that case.
+        ValueError: config mismatch (MXFP8 against unquantized included), or missing /
+            unexpected / mis-shaped / mis-typed keys and MXFP8 scales (each named with its file,
+            expected vs found); nothing is copied in that case.
     """
     c = model.config
     world = c.tp_size
@@ -277,20 +310,37 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *,
             ign_m += 1
             continue
         t = layout.get(key)
+        name = os.path.basename(path)
         if t is None:
             if truncate_layers and _layer_of(key) is not None and _layer_of(key) >= c.num_hidden_layers:  # type: ignore[operator]
                 ign_l += 1
                 continue
-            error("unexpected", f"unexpected key {full_key!r}")
+            error("unexpected", f"unexpected key {full_key!r} in {name}{_unexpected_hint(key, ck)}")
             continue
         if tuple(shape) != t.shape:
-            error("mis-shaped", f"{full_key!r} has shape {tuple(shape)}, expected {t.shape}")
-        exp = "F32" if t.fp32 else want_dtype
+            error("mis-shaped", f"{full_key!r} has shape {tuple(shape)}, expected {t.shape}"
+                                f"{' (one E8M0 byte per 32 input columns)' if t.mxfp8 == 'scale' else ''} (in {name})")
+        exp = _MXFP8_DTYPE[t.mxfp8] if t.mxfp8 else "F32" if t.fp32 else want_dtype
         if dtype != exp:
-            error("mis-typed", f"{full_key!r} has dtype {dtype}, expected {exp}")
+            error("mis-typed", f"{full_key!r} has dtype {dtype}, expected {exp}{_dtype_hint(t, dtype)} (in {name})")
+        entry = ck.quantization.covering_entry(key[:-len(".weight")]) if t.mxfp8 == "weight" else None  # type: ignore[union-attr]
+        if entry is not None:
+            error("mixed-precision", f"{full_key!r}: quantization_config.ignored_layers lists {entry!r}, keeping a "
+                                     f"projection this model holds in MXFP8 unquantized; mixed-precision checkpoints "
+                                     f"are unsupported (only lm_head, embed_tokens, the router gates and the vision "
+                                     f"stack may be ignored)")
         plan[path].append((full_key, t))
     found = {k[len(prefix):] for k in seen if k.startswith(prefix)}
-    missing = [prefix + k for k in layout if k not in found]
+    missing = []
+    for k in layout:
+        if k in found:
+            continue
+        weight = prefix + k.removesuffix(SCALE_SUFFIX)
+        if layout[k].mxfp8 == "scale" and weight in seen:  # the weight is there, its scales are not
+            error("missing-scale", f"{prefix + k!r} is missing: MXFP8 needs the uint8 scales of {weight!r} (in "
+                                   f"{os.path.basename(seen[weight])}) beside it, one byte per 32 input columns")
+        else:
+            missing.append(prefix + k)
     if missing:
         error("missing", f"{len(missing)} missing key(s): " + ", ".join(repr(k) for k in missing[:MAX_LISTED])
               + (" ..." if len(missing) > MAX_LISTED else ""))
@@ -310,10 +360,11 @@ def load_checkpoint(model: MiniMaxM3ForCausalLM, folder: str | os.PathLike, *,
                     if t.param is None:
                         continue  # another rank's expert
                     src = f.get_slice(full_key)[t.source] if t.source else f.get_tensor(full_key)
-                    if src.is_floating_point() and not torch.isfinite(src).all():
-                        bad = int((~torch.isfinite(src)).sum())
+                    bad = invalid_count(src, t.mxfp8 == "scale")
+                    if bad:
+                        what = "NaN scale bytes (255)" if t.mxfp8 == "scale" else "non-finite values (NaN/inf)"
                         raise ValueError(f"checkpoint {os.fspath(folder)!r}: {full_key!r} in {path} holds {bad} "
-                                         f"non-finite values (NaN/inf); the shard's data is damaged: download it again")
+                                         f"{what}; the shard's data is damaged: download it again")
                     params[t.param][t.index].copy_(src)
                     nbytes += src.numel() * src.element_size()
                     loaded += 1
@@ -327,13 +378,39 @@ def _layer_of(key: str) -> int | None:
     return None
 
 
+def _unexpected_hint(key: str, ck: MiniMaxM3Config) -> str:
+    if not key.endswith(SCALE_SUFFIX):
+        return ""
+    return (" (an MXFP8 scale, but config.json has no quantization_config: add the MXFP8 one or drop the scales)"
+            if ck.quantization is None else " (a scale of a tensor this model keeps unquantized)")
+
+
+def _dtype_hint(t: Target, dtype: str) -> str:
+    if t.mxfp8 == "weight":
+        return (" (an MXFP8 checkpoint stores every projection and expert as fp8 e4m3 with uint8 weight_scale_inv "
+                "scales beside it; re-export this tensor quantized)")
+    if t.mxfp8 == "scale":
+        return " (MXFP8 scales are E8M0 bytes)"
+    return " (fp8 weights need an MXFP8 quantization_config in config.json)" if dtype == "F8_E4M3" else ""
+
+
 def _check_config(model_cfg: MiniMaxM3Config, ck: MiniMaxM3Config, truncate: bool) -> None:
+    if ck.quantization is not None and model_cfg.quantization is None:
+        raise ValueError("the checkpoint is MXFP8 (config.json quantization_config: fp8 weights with E8M0 scales) but "
+                         "the model was built unquantized (config.quantization=None); build it from the checkpoint's "
+                         "config (MiniMaxM3Config.from_hf(folder)) or with config.with_quantization('mxfp8')")
+    if ck.quantization is None and model_cfg.quantization is not None:
+        raise ValueError(f"the checkpoint holds unquantized {ck.dtype} weights (config.json has no "
+                         f"quantization_config) but the model is MXFP8 (config.quantization is set); build it with "
+                         f"config.with_quantization(None), or load an MXFP8 checkpoint")
     n = model_cfg.num_hidden_layers
     if truncate and n < ck.num_hidden_layers:
         ck = ck.first_layers(n)
     if model_cfg.tp_size > 1:
         ck = ck.shard(model_cfg.tp_size, model_cfg.ep_size)
-    diff = [f.name for f in fields(ck) if f.name != "dtype" and getattr(ck, f.name) != getattr(model_cfg, f.name)]
+    # quantization: both MXFP8 (checked above); their ignored_layers may be spelt differently.
+    diff = [f.name for f in fields(ck)
+            if f.name not in ("dtype", "quantization") and getattr(ck, f.name) != getattr(model_cfg, f.name)]
     if diff:
         raise ValueError(
             "the checkpoint's config.json differs from the model's config in: "

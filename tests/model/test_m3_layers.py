@@ -19,7 +19,7 @@ from models.minimax_m3.layers import (
     swiglu_oai,
     swiglu_oai_f32,
 )
-from models.minimax_m3.ops import make_ops, moe_torch_grouped, moe_torch_loop
+from models.minimax_m3.ops import TorchMoE, make_ops
 
 
 def gen(seed: int) -> torch.Generator:
@@ -241,7 +241,8 @@ def test_moe_grouped_equals_loop_bf16():
 
 
 def test_moe_impl_choice_is_one_op_table_entry():
-    assert make_ops("torch", "cpu", torch.float32, "auto").moe in (moe_torch_grouped, moe_torch_loop)
+    auto = make_ops("torch", "cpu", torch.float32, "auto").moe
+    assert isinstance(auto, TorchMoE) and auto.grouped and auto.simulation is None
     assert make_ops("torch", "cpu", torch.float32, "loop").name == "torch+loop"
     with pytest.raises(ValueError, match="moe_impl"):
         make_ops("torch", "cpu", torch.float32, "fast")
@@ -281,12 +282,12 @@ def test_moe_grouped_cuda_no_sync_and_graph_replay():
 
 @pytest.mark.parametrize("impl", ["grouped", "loop"])
 def test_block_sparse_moe_forward_is_the_torch_op_tables_moe(impl):
-    """The torch op table's MoE is BlockSparseMoE.forward itself (one copy of the formula), and
-    its rmsnorm and mlp are the layers' own."""
+    """The torch op table's MoE equals BlockSparseMoE.forward (one copy of the formula: route,
+    then ``routed_and_shared``), and its rmsnorm and mlp are the layers' own."""
     m = make_moe(8, 8, 2, impl=impl, seed=17)
     x, n = torch.randn(6, 32, generator=gen(18)), torch.tensor(4)
     ops = make_ops("torch", "cpu", torch.float32, impl)
-    assert ops.moe is (moe_torch_grouped if impl == "grouped" else moe_torch_loop)
+    assert isinstance(ops.moe, TorchMoE) and ops.moe.grouped == (impl == "grouped")
     assert torch.equal(ops.moe(m.module, x, n), m.module(x, n, grouped=impl == "grouped"))
     torch.testing.assert_close(m.module(x, n, grouped=impl == "grouped").double(), moe_ref(m, x, num_real=4),
                                atol=1e-4, rtol=1e-4)

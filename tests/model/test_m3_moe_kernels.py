@@ -222,17 +222,22 @@ MOE_PTRS = {"ids_ptr": "i32", "hist_ptr": "i32", "off_ptr": "i32", "sorted_ptr":
 REAL = {"H": 6144, "I": 3072, "Is": 384, "E": 16, "K": 4}
 
 
-def moe_compile_cases(cfg, even=True):
+FP8_PTRS = {**MOE_PTRS, "w13_ptr": "fp8e4nv", "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv", "sd_ptr": "fp8e4nv",
+            "s13_ptr": "u8", "ssgu_ptr": "u8", "s2_ptr": "u8", "ssd_ptr": "u8"}
+
+
+def moe_compile_cases(cfg, even=True, fp8=False):
     """[gate_up, down] compile cases of ``cfg`` at the real shapes (both K loops even there;
-    ``even=False`` compiles the masked K loop that other shapes take)."""
+    ``even=False`` compiles the masked K loop that other shapes take; ``fp8``: MXFP8 weights)."""
     K, E = REAL["K"], REAL["E"]
     assert REAL["H"] % cfg.gu_block_k == 0 and REAL["I"] % cfg.down_block_k == 0 and REAL["Is"] % cfg.down_block_k == 0
     gu = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.gu_block_n, "BLOCK_N_SHARED": cfg.gu_block_n_shared,
-          "BLOCK_K": cfg.gu_block_k, "EVEN_K": even, "DOT_F32": False}
+          "BLOCK_K": cfg.gu_block_k, "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
     dn = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h, "BLOCK_K": cfg.down_block_k,
-          "EVEN_K": even, "DOT_F32": False}
-    return [[MOE, "_moe_gate_up_kernel", gu, MOE_PTRS, ["alpha", "limit"], cfg.gu_num_warps, cfg.gu_num_stages],
-            [MOE, "_moe_down_kernel", dn, MOE_PTRS, [], cfg.down_num_warps, cfg.down_num_stages]]
+          "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
+    ptrs = FP8_PTRS if fp8 else MOE_PTRS
+    return [[MOE, "_moe_gate_up_kernel", gu, ptrs, ["alpha", "limit"], cfg.gu_num_warps, cfg.gu_num_stages],
+            [MOE, "_moe_down_kernel", dn, ptrs, [], cfg.down_num_warps, cfg.down_num_stages]]
 
 
 def test_kernels_compile_for_hopper():
@@ -245,7 +250,9 @@ def test_kernels_compile_for_hopper():
     for cfg in configs:
         cases += moe_compile_cases(cfg)
     cases += moe_compile_cases(configs[0], even=False) + moe_compile_cases(configs[4], even=False)
+    cases += moe_compile_cases(configs[0], fp8=True) + moe_compile_cases(configs[4], fp8=True)  # MXFP8 weights
     reports = run_compile_reports(cases)  # asserts shared <= 227 KiB and no big spills
+    assert reports[-2]["wgmma"] and reports[-1]["wgmma"]  # prefill tiles on fp8 weights keep the tensor cores
     for i, cfg in enumerate(configs):
         gu, dn = reports[4 + 2 * i], reports[5 + 2 * i]
         if cfg.block_m >= 64:  # one wgmma warpgroup needs 64 rows
@@ -313,3 +320,78 @@ def test_cuda_graph_replay_with_new_routing(T):
         eager = moe.fused_moe(*pb.args(), pb.poisoned_out())
         assert torch.equal(out, eager), "replay must be bit-identical to an eager run"
         assert rel_err(out, moe.fused_moe_torch(*pb.args(), pb.poisoned_out())) < 1e-2
+
+
+# ---- MXFP8 weights ---------------------------------------------------------------------------
+
+def quantized(pb: Problem) -> tuple[tuple, "moe.MoEScales", tuple]:
+    """``pb``'s four weights in MXFP8: (fp8 weights, their scales, the dequantised weights in
+    ``pb.dtype``)."""
+    from models.minimax_m3.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+    q = [quantize_mxfp8(w.float()) for w in (pb.w13, pb.w2, pb.sgu, pb.sd)]
+    return (tuple(a for a, _ in q), moe.MoEScales(*(s for _, s in q)),
+            tuple(dequantize_mxfp8(a, s, pb.dtype) for a, s in q))
+
+
+FP8_SMALL = {"H": 64, "inter": 32, "Is": 64, "K": 2}  # every width a multiple of the 32-column block
+# widths every candidate's K step divides: the even K loops (scales loaded once per 32 columns)
+FP8_EVEN = {"H": 256, "inter": 128, "Is": 128, "K": 2}
+
+
+def assert_fp8_matches(out: torch.Tensor, ref: torch.Tensor, cfg) -> None:
+    """fp8 weights dequantised in registers feed the dot the same values as the dequantised
+    weights do, so the interpreter (fp32 dots, one order) is bit-identical. On a GPU the
+    compiler may take another MMA path for register operands (another accumulation order), so
+    there the check is bf16-close."""
+    if DEV == "cpu":
+        assert torch.equal(out, ref), cfg
+    else:
+        assert rel_err(out, ref) < 1e-2, cfg
+
+
+@pytest.mark.parametrize("T,dims", [(3, FP8_SMALL), (17, FP8_SMALL), (100, FP8_SMALL), (5, FP8_EVEN)],
+                         ids=["3", "17", "100", "5-even"])
+def test_fp8_weights_equal_the_kernels_on_dequantized_weights(T, dims):
+    """fp8 weights + scales, dequantised in registers, against the same kernels on the
+    dequantised weights for every candidate config (``assert_fp8_matches``), and the torch
+    twin with scales."""
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pb = Problem(T, E=6, seed=40 + T, dtype=dtype, **dims)
+    w8, scales, deq = quantized(pb)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    for cfg in moe.moe_config_candidates(T) + (moe.moe_config_candidates(100) if T <= 64 else []):
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
+    twin = moe.fused_moe_torch(*head, *w8, *tail, pb.poisoned_out(), scales=scales)
+    assert rel_err(out, twin) < TOL[dtype]
+
+
+def test_fp8_weights_need_their_scales():
+    pb = Problem(3, E=4, seed=1, dtype=torch.float32, **FP8_SMALL)
+    w8, scales, _ = quantized(pb)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    with pytest.raises(ValueError, match=r"w13 must have x's dtype torch.float32, got torch.float8_e4m3fn "
+                                         r"\(fp8 weights need their MoEScales\)"):
+        moe.fused_moe(*head, *w8, *tail, pb.poisoned_out())
+    bad = scales._replace(w2=scales.w2[:, :, :0])
+    with pytest.raises(ValueError, match=r"the scales of w2 must be uint8 \(4, 64, 1\)"):
+        moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), scales=bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 32, 1054])
+def test_cuda_fp8_real_shapes_match_dequantized_bf16(T):
+    """Real rank-of-8 shapes: every candidate on fp8 weights against the bf16 kernels and the
+    torch twin on the dequantised weights (a first version asked for bit-equality with the
+    bf16 kernels and failed on the H200: see ``assert_fp8_matches``)."""
+    pb = real_problem(T, seed=200 + T)
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    pb.ids, pb.w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
+    w8, scales, deq = quantized(pb)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    for cfg in moe.moe_config_candidates(T):
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
+        assert rel_err(out, want) < 1e-2, cfg

@@ -6,7 +6,6 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -26,13 +25,6 @@ def ckpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("m3_tiny")
     write_synthetic_checkpoint(MiniMaxM3Config.tiny(), folder, seed=3, shard_size_bytes=150_000)
     return str(folder)
-
-
-@pytest.fixture
-def ckpt_copy(ckpt, tmp_path):
-    dst = tmp_path / "ck"
-    shutil.copytree(ckpt, dst)
-    return str(dst)
 
 
 def read_all(folder: str) -> dict[str, torch.Tensor]:

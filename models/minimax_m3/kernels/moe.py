@@ -42,6 +42,7 @@ against, and the CPU path.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,8 @@ import triton.language as tl
 
 from attention.kernels.triton_utils import check_device, interpreting, next_pow2
 from models.minimax_m3.layers import swiglu_oai_f32
+from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
+from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
 Tensor = torch.Tensor
 
@@ -236,17 +239,39 @@ def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> t
 
 
 @triton.jit
-def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sorted_ptr, act_ptr, stride_act,
-                   start, end, N, TK, H, alpha, limit,
+def _dequant_fp8(q, scale_byte):
+    """MXFP8: ``float(q) * 2 ** (scale_byte - 127)`` in fp32, the power of two built from its
+    exponent bits (exact; byte 0 is the subnormal ``2 ** -127``), as ``mxfp8.dequantize_mxfp8``."""
+    b = scale_byte.to(tl.int32)
+    bits = tl.where(b > 0, b << 23, 1 << 22)
+    return q.to(tl.float32) * bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_scales(s_base, k0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The E8M0 bytes of columns ``[k0, k0 + BLOCK_K)`` as a ``[BLOCK_K, BLOCK_N]`` tile: one load
+    per 32 columns, broadcast over them in registers (``BLOCK_K >= 32``); ``s_base`` points at
+    each N row's scales ``[1, BLOCK_N]``."""
+    nb: tl.constexpr = BLOCK_K // 32
+    sc = tl.load(s_base + (k0 // 32 + tl.arange(0, nb))[:, None])  # [nb, BLOCK_N]
+    return tl.reshape(tl.broadcast_to(sc[:, None, :], (nb, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr, stride_sn, sorted_ptr, act_ptr,
+                   stride_act, start, end, N, TK, H, alpha, limit,
                    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+                   EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr):
     """One expert's share of this program: N-tile ``j % n_tiles`` of its ``N`` gate/up rows,
     over the M-tiles of its pairs ``[start, end)`` that fall to this program.
 
     Axis 1 of the grid has as many programs as the expert with the most N-tiles needs; an
     expert with fewer (the shared expert: Is = 384 at TP8) hands its spare programs M-tiles
     (``groups`` > 1) instead of idling, and axis 2 splits the M-tiles further. With no pairs
-    the loop runs zero times: no weight is read.
+    the loop runs zero times: no weight is read. ``W_FP8``: the weights are fp8 e4m3 with an
+    E8M0 byte per 32 columns of H at ``sg_ptr`` / ``su_ptr`` (row stride ``stride_sn``),
+    dequantised in registers to x's dtype before the dot (weight bytes halve; the dot and its
+    inputs are those of the bf16 kernel on the dequantised weights).
     """
     j = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -261,6 +286,8 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sorted_ptr, act
     offs_k = tl.arange(0, BLOCK_K)
     wg_base = wg_ptr + n_ld[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     wu_base = wu_ptr + n_ld[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    sg_base = sg_ptr + n_ld[None, :].to(tl.int64) * stride_sn  # + column // 32 (W_FP8 only)
+    su_base = su_ptr + n_ld[None, :].to(tl.int64) * stride_sn
     for m0 in range(m_lo, end, n_groups * BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         r_ok = rows < end
@@ -274,11 +301,23 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sorted_ptr, act
                 xa = tl.load(x_base + k0, mask=r_ok[:, None], other=0.0)
                 wg = tl.load(wg_base + k0)
                 wu = tl.load(wu_base + k0)
+                if W_FP8:
+                    if BLOCK_K >= 32:
+                        wg = _dequant_fp8(wg, _block_scales(sg_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
+                        wu = _dequant_fp8(wu, _block_scales(su_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
+                    else:
+                        blk = ((k0 + offs_k) // 32)[:, None]
+                        wg = _dequant_fp8(wg, tl.load(sg_base + blk)).to(xa.dtype)
+                        wu = _dequant_fp8(wu, tl.load(su_base + blk)).to(xa.dtype)
             else:
                 k_ok = offs_k + k0 < H
                 xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 wg = tl.load(wg_base + k0, mask=k_ok[:, None], other=0.0)
                 wu = tl.load(wu_base + k0, mask=k_ok[:, None], other=0.0)
+                if W_FP8:
+                    blk = ((k0 + offs_k) // 32)[:, None]
+                    wg = _dequant_fp8(wg, tl.load(sg_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
+                    wu = _dequant_fp8(wu, tl.load(su_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
             if DOT_F32:
                 xa = xa.to(tl.float32)
                 acc_g = tl.dot(xa, wg.to(tl.float32), acc_g, input_precision="ieee")
@@ -298,10 +337,12 @@ def _moe_gate_up_kernel(
     x_ptr, stride_x_t,
     w13_ptr, stride_w13_e, stride_w13_n, stride_w13_up,
     sgu_ptr, stride_sgu_n, stride_sgu_up,
+    s13_ptr, stride_s13_e, stride_s13_n, stride_s13_up,
+    ssgu_ptr, stride_ssgu_n, stride_ssgu_up,
     sorted_ptr, off_ptr, act_ptr, stride_act,
     T, H, I, IS, alpha, limit,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_SHARED: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr,
 ):
     """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for the pairs of
     expert ``program_id(0)`` (``E``: the shared expert, whose N-tiles may be narrower so that
@@ -311,13 +352,16 @@ def _moe_gate_up_kernel(
     end = tl.load(off_ptr + e + 1)
     if e < E:
         wg_ptr = w13_ptr + e.to(tl.int64) * stride_w13_e
-        _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wg_ptr + stride_w13_up, stride_w13_n, sorted_ptr, act_ptr,
+        sg_ptr = s13_ptr + e.to(tl.int64) * stride_s13_e
+        _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wg_ptr + stride_w13_up, stride_w13_n, sg_ptr,
+                       sg_ptr + stride_s13_up, stride_s13_n, sorted_ptr, act_ptr,
                        stride_act, start, end, I, T * K, H, alpha, limit,
-                       K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32)
+                       K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, W_FP8)
     else:
-        _gate_up_tiles(x_ptr, stride_x_t, sgu_ptr, sgu_ptr + stride_sgu_up, stride_sgu_n, sorted_ptr, act_ptr,
+        _gate_up_tiles(x_ptr, stride_x_t, sgu_ptr, sgu_ptr + stride_sgu_up, stride_sgu_n, ssgu_ptr,
+                       ssgu_ptr + stride_ssgu_up, stride_ssgu_n, sorted_ptr, act_ptr,
                        stride_act, start, end, IS, T * K, H, alpha, limit,
-                       K, BLOCK_M, BLOCK_N_SHARED, BLOCK_K, EVEN_K, DOT_F32)
+                       K, BLOCK_M, BLOCK_N_SHARED, BLOCK_K, EVEN_K, DOT_F32, W_FP8)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -325,13 +369,16 @@ def _moe_down_kernel(
     act_ptr, stride_act,
     w2_ptr, stride_w2_e, stride_w2_h,
     sd_ptr, stride_sd_h,
+    s2_ptr, stride_s2_e, stride_s2_h,
+    ssd_ptr, stride_ssd_h,
     topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y,
     T, H, I, IS,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr,
 ):
     """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32, one H-tile of one expert,
-    over the M-tiles of its pairs this program owns (axis 2 splits them)."""
+    over the M-tiles of its pairs this program owns (axis 2 splits them). ``W_FP8``: fp8 weights,
+    dequantised in registers (see ``_gate_up_tiles``)."""
     e = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
@@ -342,15 +389,20 @@ def _moe_down_kernel(
         KD = I
         w_ptr = w2_ptr + e.to(tl.int64) * stride_w2_e
         stride_wh = stride_w2_h
+        s_ptr = s2_ptr + e.to(tl.int64) * stride_s2_e
+        stride_sh = stride_s2_h
     else:
         KD = IS
         w_ptr = sd_ptr
         stride_wh = stride_sd_h
+        s_ptr = ssd_ptr
+        stride_sh = stride_ssd_h
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     h_ld = offs_h % H
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + h_ld[None, :].to(tl.int64) * stride_wh + offs_k[:, None]  # [BLOCK_K, BLOCK_H]
+    s_base = s_ptr + h_ld[None, :].to(tl.int64) * stride_sh  # + column // 32 (W_FP8 only)
     for m0 in range(start + s * BLOCK_M, end, tl.num_programs(2) * BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         r_ok = rows < end
@@ -364,10 +416,18 @@ def _moe_down_kernel(
             if EVEN_K:
                 a = tl.load(a_base + k0, mask=r_ok[:, None], other=0.0)
                 w = tl.load(w_base + k0)
+                if W_FP8:
+                    if BLOCK_K >= 32:
+                        w = _dequant_fp8(w, _block_scales(s_base, k0, BLOCK_K, BLOCK_H)).to(a.dtype)
+                    else:
+                        w = _dequant_fp8(w, tl.load(s_base + ((k0 + offs_k) // 32)[:, None])).to(a.dtype)
             else:
                 k_ok = offs_k + k0 < KD
                 a = tl.load(a_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
+                if W_FP8:
+                    sc = tl.load(s_base + ((k0 + offs_k) // 32)[:, None], mask=k_ok[:, None], other=127)
+                    w = _dequant_fp8(w, sc).to(a.dtype)
             if DOT_F32:
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -397,6 +457,17 @@ def _moe_combine_kernel(y_ptr, stride_y, pos_ptr, out_ptr, stride_o_t, T, H,
 # launchers
 
 
+class MoEScales(NamedTuple):
+    """MXFP8 scales of fp8 weights: uint8 E8M0 bytes, one per 32 input columns
+    (``w13 [E, 2I, H/32]``, ``w2 [E, H, I/32]``, ``shared_gate_up [2Is, H/32]``,
+    ``shared_down [H, Is/32]``)."""
+
+    w13: Tensor
+    w2: Tensor
+    shared_gate_up: Tensor
+    shared_down: Tensor
+
+
 @dataclass(frozen=True)
 class _Dims:
     T: int
@@ -408,7 +479,7 @@ class _Dims:
 
 
 def _check_args(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
-                shared_down: Tensor, out: Tensor) -> _Dims:
+                shared_down: Tensor, out: Tensor, scales: MoEScales | None = None) -> _Dims:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with contiguous rows, got {tuple(x.shape)} strides {x.stride()}")
     T, H = x.shape
@@ -434,12 +505,24 @@ def _check_args(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Te
     Is = shared_gate_up.shape[0] // 2
     if shared_down.dim() != 2 or tuple(shared_down.shape) != (H, Is) or shared_down.stride(1) != 1:
         raise ValueError(f"shared_down must be [H={H}, Is={Is}] with contiguous rows, got {tuple(shared_down.shape)}")
-    for name, w in (("w13", w13), ("w2", w2), ("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
-        if w.dtype != x.dtype:
-            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    weights = (("w13", w13), ("w2", w2), ("shared_gate_up", shared_gate_up), ("shared_down", shared_down))
+    if scales is None:
+        for name, w in weights:
+            if w.dtype != x.dtype:
+                raise ValueError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}"
+                                 + (" (fp8 weights need their MoEScales)" if w.dtype == FP8 else ""))
+    else:
+        for (name, w), sc in zip(weights, scales):
+            want = (*w.shape[:-1], w.shape[-1] // MX_BLOCK)
+            if w.dtype != FP8 or w.shape[-1] % MX_BLOCK:
+                raise ValueError(f"{name} with scales must be fp8 e4m3 with a multiple of {MX_BLOCK} columns, got "
+                                 f"{w.dtype} {tuple(w.shape)}")
+            if sc.dtype != torch.uint8 or tuple(sc.shape) != want or sc.stride(-1) != 1:
+                raise ValueError(f"the scales of {name} must be uint8 {want} with contiguous rows, got {sc.dtype} "
+                                 f"{tuple(sc.shape)}")
     if out.dim() != 2 or tuple(out.shape) != (T, H) or out.stride(1) != 1:
         raise ValueError(f"out must be [T={T}, H={H}] with contiguous rows, got {tuple(out.shape)}")
-    devs = {t.device for t in (x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)}
+    devs = {t.device for t in (x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out, *(scales or ()))}
     if len(devs) != 1:
         raise ValueError(f"all fused_moe tensors must be on one device, got {sorted(map(str, devs))}")
     return _Dims(T, H, K, E, I, Is)
@@ -458,7 +541,7 @@ def _fit_stages(num_stages: int, stage_bytes: int) -> int:
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
               shared_down: Tensor, alpha: float, limit: float, out: Tensor,
-              config: MoEConfig | None = None) -> Tensor:
+              config: MoEConfig | None = None, scales: MoEScales | None = None) -> Tensor:
     """Routed experts of this rank + the shared expert, five launches, graph-capturable.
 
     Args:
@@ -471,11 +554,14 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         alpha, limit: SwiGLU-OAI constants (1.702, 7.0 for M3).
         out: ``[T, H]``, written in full (every row gets at least the shared expert).
         config: tiles; default :func:`default_moe_config` of T.
+        scales: MXFP8 weights: the four weights are fp8 e4m3 and these their E8M0 scales; the
+            kernels read fp8 (half the bytes) and dequantise in registers, so the result equals
+            the bf16 kernels on the dequantised weights.
     Returns:
         ``out``.
     """
-    d = _check_args(x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)
-    check_device("fused_moe", x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)
+    d = _check_args(x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out, scales)
+    check_device("fused_moe", x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out, *(scales or ()))
     if d.T == 0:
         return out
     cfg = config or default_moe_config(d.T)
@@ -489,14 +575,18 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
 
     bn, bns, bk = cfg.gu_block_n, cfg.gu_block_n_shared, cfg.gu_block_k
     esz = x.element_size()
+    # Without scales the scale pointers are never read (W_FP8=False): the weights stand in.
+    s13, s2, ssgu, ssd = scales if scales is not None else (w13, w2, shared_gate_up, shared_down)
     _moe_gate_up_kernel[(E + 1, max(triton.cdiv(I, bn), triton.cdiv(Is, bns)), cfg.m_split)](
         x, x.stride(0),
         w13, w13.stride(0), w13.stride(1), I * w13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), Is * shared_gate_up.stride(0),
+        s13, s13.stride(0), s13.stride(1), I * s13.stride(1),
+        ssgu, ssgu.stride(0), Is * ssgu.stride(0),
         sorted_pairs, off, act, act.stride(0),
         T, H, I, Is, float(alpha), float(limit),
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_N_SHARED=bns, BLOCK_K=bk, EVEN_K=H % bk == 0,
-        DOT_F32=dot_f32,
+        DOT_F32=dot_f32, W_FP8=scales is not None,
         num_warps=cfg.gu_num_warps,
         num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m + 2 * max(bn, bns)) * bk * esz),
     )
@@ -505,10 +595,12 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         act, act.stride(0),
         w2, w2.stride(0), w2.stride(1),
         shared_down, shared_down.stride(0),
+        s2, s2.stride(0), s2.stride(1),
+        ssd, ssd.stride(0),
         topk_w, sorted_pairs, off, y, y.stride(0),
         T, H, I, Is,
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_H=bh, BLOCK_K=bkd, EVEN_K=(I % bkd == 0 and Is % bkd == 0),
-        DOT_F32=dot_f32, num_warps=cfg.down_num_warps,
+        DOT_F32=dot_f32, W_FP8=scales is not None, num_warps=cfg.down_num_warps,
         num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m + bh) * bkd * esz),
     )
     cb = min(cfg.combine_block, max(16, next_pow2(H)))
@@ -523,17 +615,21 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
 
 def fused_moe_torch(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
                     shared_down: Tensor, alpha: float, limit: float, out: Tensor,
-                    config: MoEConfig | None = None) -> Tensor:
-    """Plain-torch twin of :func:`fused_moe` (same arguments; ``config`` is ignored).
+                    config: MoEConfig | None = None, scales: MoEScales | None = None) -> Tensor:
+    """Plain-torch twin of :func:`fused_moe` (same arguments; ``config`` is ignored; with
+    ``scales`` the fp8 weights are dequantised to x's dtype first, ``mxfp8.dequantize_mxfp8``).
 
     Same rounding points as the kernels: fp32 gate/up products, the activation rounded to
     ``x.dtype``, fp32 down products, weights and sum, one cast into ``out``. Each local expert
     runs on all T rows, weighted by a dense ``[T]`` column that is 0 where it is not routed:
     no data-dependent shapes (capturable), at E / K times the work of the kernels.
     """
-    d = _check_args(x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out)
+    d = _check_args(x, topk_ids, topk_w, w13, w2, shared_gate_up, shared_down, out, scales)
     if d.T == 0:
         return out
+    if scales is not None:
+        w13, w2, shared_gate_up, shared_down = (dequantize_mxfp8(w, sc, x.dtype) for w, sc in
+                                                zip((w13, w2, shared_gate_up, shared_down), scales))
     xf = x.float()
     ids = topk_ids.long()
 
@@ -551,4 +647,4 @@ def fused_moe_torch(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2
     return out
 
 
-__all__ = ["MoEConfig", "default_moe_config", "fused_moe", "fused_moe_torch", "moe_config_candidates"]
+__all__ = ["MoEConfig", "MoEScales", "default_moe_config", "fused_moe", "fused_moe_torch", "moe_config_candidates"]
