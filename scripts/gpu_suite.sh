@@ -15,7 +15,8 @@
 # --tp <GPUs> when the machine has several), steps (60-layer decode 1/8/32 and mixed 30+1024, wall and
 # GPU-busy; with a checkout of an earlier commit in .baseline/, the same benchmark on it first, side
 # by side), audit (60-layer serving with audits off, 1 in 10 and 1 in 1000), routing (60-layer steps
-# with the concentrated random router, the calibrated one and uniform routing), or a pytest path.
+# with the concentrated random router, the calibrated one and uniform routing), fp8linear (the
+# MXFP8 projections: bf16 vs dequantise + F.linear vs the Triton fp8 kernel), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -94,6 +95,7 @@ for part in "${parts[@]}"; do
                   flag="--routing $r"; [ "$r" = concentrated ] && flag="--concentrated"
                   $T python3 benchmarks/bench_steps.py $flag --label "$r" --decode ${ROUTING_DECODE:-1,8,32,64} --json "$OUT/bench_steps_routing_$r.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 done ;;
+    fp8linear)  $T python3 benchmarks/bench_mxfp8_linear.py --json "$OUT/bench_mxfp8_linear.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     audit)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes full_and_piecewise --audit-every ${AUDIT_EVERY:-0,10,1000} --json "$OUT/serve_sim_audit.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac

@@ -96,7 +96,7 @@ class M3Attention(nn.Module):
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """x: normed hidden ``[T, H]`` -> the o_proj output ``[T, H]``."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = inputs.ops.linear(self.qkv_proj, x)
         # q, index-q and the attention output cross the splice: shared buffers, not per-layer
         # allocations a captured splice would keep alive (see graphcap.splice_buffers).
         q = inputs.buffers.view("q", t)
@@ -109,7 +109,7 @@ class M3Attention(nn.Module):
             inputs.backend.sparse(self.layer, q, iq, out)
         else:
             inputs.backend.dense(self.layer, q, out)
-        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+        return inputs.ops.linear(self.o_proj, out.view(t, self.num_heads * self.head_dim))
 
 
 class M3DecoderLayer(nn.Module):

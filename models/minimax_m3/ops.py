@@ -16,6 +16,8 @@ Ops (``T`` tokens, hidden ``H``):
         norm of the sum; the fused kernel works in place (flashinfer's semantics: the norm
         reads the unrounded fp32 sum).
     mlp(mlp, x) -> ``[T, H]``: the dense layers' SwiGLU-OAI MLP.
+    linear(linear, x) -> ``[T, N]``: the attention projections (qkv_proj, o_proj); for MXFP8
+        weights the fused table runs the fp8 kernel where the tuner chose it.
     moe(moe, x, num_real_tokens) -> ``[T, H]``: router, this rank's routed experts and the
         shared expert; rows ``>= num_real_tokens`` (padding) reach no routed expert.
     choose_kernels(model, num_tokens, tune): host work before a forward of ``num_tokens`` rows
@@ -36,6 +38,7 @@ from models.runner.protocol import OpTable
 
 from .kernels.producer import HeadNorms, QKVLayout, norm_rope_cache_write, norm_rope_torch
 from .layers import BlockSparseMoE, DenseMLP, gemma_rmsnorm
+from .mxfp8 import MXFP8Linear
 from .routing import RoutingSimulation, routing_simulation, select_experts
 
 if TYPE_CHECKING:  # the kernels import Triton; the torch op table must not need it
@@ -66,6 +69,10 @@ def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 def mlp_torch(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     return mlp(x)
+
+
+def linear_torch(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return linear(x)
 
 
 class TorchMoE:
@@ -114,6 +121,48 @@ def mlp_triton(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
     from .kernels.activation import swiglu_oai_triton
 
     return mlp.down_proj(swiglu_oai_triton(mlp.gate_up_proj(x), mlp.alpha, mlp.limit))
+
+
+class FusedLinear:
+    """Projections (qkv, o_proj): an MXFP8 weight runs the Triton fp8 kernel
+    (``kernels.fp8_linear``) at a row count where the tuner validated it against the module's own
+    forward (dequantise + ``F.linear``) and timed it faster; everything else runs the module."""
+
+    OP = "mxfp8_linear"
+
+    def __init__(self, tuner: KernelTuner) -> None:
+        self.tuner = tuner
+        self._kernel_rows: set[tuple[int, int, int]] = set()  # (N, K, rows) where the kernel won
+
+    def __call__(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(linear, MXFP8Linear) and (linear.out_features, linear.in_features, x.shape[0]) \
+                in self._kernel_rows:
+            from .kernels.fp8_linear import mxfp8_linear
+
+            return mxfp8_linear(x, linear.weight, linear.weight_scale_inv)
+        return linear(x)
+
+    def choose(self, model: torch.nn.Module, num_tokens: int, tune: bool = True) -> None:
+        """For each MXFP8 projection shape, validate and time the kernel at ``num_tokens`` rows
+        (``tune=False``: keep the module's path, no kernel is tried mid-run)."""
+        if not tune:
+            return
+        from .kernels.fp8_linear import mxfp8_linear
+
+        shapes = {(m.out_features, m.in_features): m for m in model.modules() if isinstance(m, MXFP8Linear)}
+        dtype = getattr(model, "dtype", torch.float32)
+        for (n, k), mod in shapes.items():
+            key = (n, k, num_tokens)
+            if self.tuner.get(self.OP, key) is not None:
+                continue
+            gen = torch.Generator(device=mod.weight.device).manual_seed(num_tokens)
+            x = torch.randn(num_tokens, k, generator=gen, device=mod.weight.device).to(dtype)
+            candidates = {"dequantise + F.linear": lambda mod=mod, x=x: mod(x),
+                          "triton fp8": lambda mod=mod, x=x: mxfp8_linear(x, mod.weight, mod.weight_scale_inv)}
+            name = self.tuner.choose(self.OP, key, candidates, lambda mod=mod, x=x: mod(x),
+                                     tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=f"N{n} K{k} {dtype}")
+            if name == "triton fp8":
+                self._kernel_rows.add(key)
 
 
 def moe_scales(moe: BlockSparseMoE) -> MoEScales | None:
@@ -269,12 +318,15 @@ class M3Ops(OpTable):
     moe: Callable[..., torch.Tensor]
     tuner: KernelTuner | None = None
     routing: RoutingSimulation | None = None  # what replaced the router's choices (None: the router)
+    linear: Callable[..., torch.Tensor] = linear_torch  # linear(module, x): the attention projections
 
     def choose_kernels(self, model: torch.nn.Module, num_tokens: int, tune: bool = True) -> None:
         """Host work before a forward of ``num_tokens`` rows (outside any capture); ``tune``:
         time the candidate kernels (else the default is validated alone)."""
         if isinstance(self.moe, FusedMoE):
             self.moe.choose(model, num_tokens, tune=tune)
+        if isinstance(self.linear, FusedLinear):
+            self.linear.choose(model, num_tokens, tune=tune)
 
     def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
         """Launch the tunable kernels' candidates for ``num_tokens`` rows on probes, for
@@ -325,7 +377,7 @@ def make_ops(producer: str, device: torch.device | str | None, dtype: torch.dtyp
     if producer == "triton":
         tuner = KernelTuner(time_candidates=dev.type == "cuda", store=choice_store(dev))
         return M3Ops("triton", norm_rope_write_triton, rmsnorm_triton, add_rmsnorm_triton, mlp_triton,
-                     FusedMoE(tuner, sim), tuner, sim)
+                     FusedMoE(tuner, sim), tuner, sim, FusedLinear(tuner))
     if moe_impl == "auto":
         moe_impl = "grouped" if grouped_mm_supported(dev, dtype) else "loop"
     return M3Ops(f"torch+{moe_impl}", norm_rope_write_torch, gemma_rmsnorm, add_rmsnorm_torch, mlp_torch,

@@ -27,7 +27,7 @@ from models.minimax_m3.mxfp8 import (
     dequantize_mxfp8,
     quantize_mxfp8,
 )
-from models.minimax_m3.ops import FusedMoE, mlp_triton
+from models.minimax_m3.ops import FusedLinear, FusedMoE, mlp_triton
 
 TINY8 = MiniMaxM3Config.tiny(quantization="mxfp8")
 RELEASE = {  # MiniMax-M3-MXFP8's quantization_config as spec §1 lists it (gates named per layer)
@@ -389,3 +389,25 @@ def test_cuda_mxfp8_replays_equal_padded_eager_and_track_bf16():
         total += len(a)
         nxt = dict(enumerate(a))
     assert agree / total >= 0.9, f"greedy agreement with bf16 on the dequantised weights {agree}/{total}"
+
+
+def test_fused_linear_validates_the_fp8_kernel_and_runs_it_where_chosen():
+    """The fused op table's linear: the tuner validates the fp8 kernel (interpreter here) against
+    the module's dequantise + F.linear; at a row count where the kernel won it runs it, elsewhere
+    (and for bf16 modules) the module."""
+    model = MiniMaxM3ForCausalLM(TINY8, producer="triton")
+    model.init_random_(0, balance_routing=False)
+    lin = model.ops.linear
+    assert isinstance(lin, FusedLinear)
+    model.ops.choose_kernels(model, 5)
+    shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, MXFP8Linear)}
+    choices = [model.ops.tuner.choices[(FusedLinear.OP, (n, k, 5))] for n, k in shapes]
+    assert choices and all(c.rejected == {} for c in choices)  # the kernel passed validation
+    attn = model.model.layers[1].self_attn
+    x = torch.randn(5, TINY8.hidden_size, generator=torch.Generator().manual_seed(3))
+    key = (attn.qkv_proj.out_features, attn.qkv_proj.in_features, 5)
+    lin._kernel_rows.add(key)  # as if the kernel had won the timing (CPU does not time)
+    torch.testing.assert_close(lin(attn.qkv_proj, x), attn.qkv_proj(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin(attn.qkv_proj, x[:4]), attn.qkv_proj(x[:4]))  # 4 rows: not chosen, the module
+    plain = torch.nn.Linear(8, 4)
+    assert torch.equal(lin(plain, torch.ones(2, 8)), plain(torch.ones(2, 8)))

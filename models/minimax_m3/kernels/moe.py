@@ -54,6 +54,8 @@ from models.minimax_m3.layers import swiglu_oai_f32
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
+from .fp8_tiles import block_scales, dequant_fp8
+
 Tensor = torch.Tensor
 
 
@@ -239,25 +241,6 @@ def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> t
 
 
 @triton.jit
-def _dequant_fp8(q, scale_byte):
-    """MXFP8: ``float(q) * 2 ** (scale_byte - 127)`` in fp32, the power of two built from its
-    exponent bits (exact; byte 0 is the subnormal ``2 ** -127``), as ``mxfp8.dequantize_mxfp8``."""
-    b = scale_byte.to(tl.int32)
-    bits = tl.where(b > 0, b << 23, 1 << 22)
-    return q.to(tl.float32) * bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _block_scales(s_base, k0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The E8M0 bytes of columns ``[k0, k0 + BLOCK_K)`` as a ``[BLOCK_K, BLOCK_N]`` tile: one load
-    per 32 columns, broadcast over them in registers (``BLOCK_K >= 32``); ``s_base`` points at
-    each N row's scales ``[1, BLOCK_N]``."""
-    nb: tl.constexpr = BLOCK_K // 32
-    sc = tl.load(s_base + (k0 // 32 + tl.arange(0, nb))[:, None])  # [nb, BLOCK_N]
-    return tl.reshape(tl.broadcast_to(sc[:, None, :], (nb, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
-
-
-@triton.jit
 def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr, stride_sn, sorted_ptr, act_ptr,
                    stride_act, start, end, N, TK, H, alpha, limit,
                    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -303,12 +286,12 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 wu = tl.load(wu_base + k0)
                 if W_FP8:
                     if BLOCK_K >= 32:
-                        wg = _dequant_fp8(wg, _block_scales(sg_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
-                        wu = _dequant_fp8(wu, _block_scales(su_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
+                        wg = dequant_fp8(wg, block_scales(sg_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
+                        wu = dequant_fp8(wu, block_scales(su_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
                     else:
                         blk = ((k0 + offs_k) // 32)[:, None]
-                        wg = _dequant_fp8(wg, tl.load(sg_base + blk)).to(xa.dtype)
-                        wu = _dequant_fp8(wu, tl.load(su_base + blk)).to(xa.dtype)
+                        wg = dequant_fp8(wg, tl.load(sg_base + blk)).to(xa.dtype)
+                        wu = dequant_fp8(wu, tl.load(su_base + blk)).to(xa.dtype)
             else:
                 k_ok = offs_k + k0 < H
                 xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
@@ -316,8 +299,8 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 wu = tl.load(wu_base + k0, mask=k_ok[:, None], other=0.0)
                 if W_FP8:
                     blk = ((k0 + offs_k) // 32)[:, None]
-                    wg = _dequant_fp8(wg, tl.load(sg_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
-                    wu = _dequant_fp8(wu, tl.load(su_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
+                    wg = dequant_fp8(wg, tl.load(sg_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
+                    wu = dequant_fp8(wu, tl.load(su_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
             if DOT_F32:
                 xa = xa.to(tl.float32)
                 acc_g = tl.dot(xa, wg.to(tl.float32), acc_g, input_precision="ieee")
@@ -418,16 +401,16 @@ def _moe_down_kernel(
                 w = tl.load(w_base + k0)
                 if W_FP8:
                     if BLOCK_K >= 32:
-                        w = _dequant_fp8(w, _block_scales(s_base, k0, BLOCK_K, BLOCK_H)).to(a.dtype)
+                        w = dequant_fp8(w, block_scales(s_base, k0, BLOCK_K, BLOCK_H)).to(a.dtype)
                     else:
-                        w = _dequant_fp8(w, tl.load(s_base + ((k0 + offs_k) // 32)[:, None])).to(a.dtype)
+                        w = dequant_fp8(w, tl.load(s_base + ((k0 + offs_k) // 32)[:, None])).to(a.dtype)
             else:
                 k_ok = offs_k + k0 < KD
                 a = tl.load(a_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
                 if W_FP8:
                     sc = tl.load(s_base + ((k0 + offs_k) // 32)[:, None], mask=k_ok[:, None], other=127)
-                    w = _dequant_fp8(w, sc).to(a.dtype)
+                    w = dequant_fp8(w, sc).to(a.dtype)
             if DOT_F32:
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:

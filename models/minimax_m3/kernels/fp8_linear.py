@@ -1,0 +1,167 @@
+"""A linear layer on MXFP8 weights: ``y = x @ dequant(w, s)^T``, the weight read as fp8 (half
+the bytes of bf16) and dequantised in registers, for the projections of an MXFP8 model. The
+fused op table's ``linear`` (``ops.FusedLinear``: qkv_proj and o_proj) runs it at the row counts
+where the tuner validated it against ``mxfp8.MXFP8Linear``'s dequantise + ``F.linear`` and timed
+it faster; ``benchmarks/bench_mxfp8_linear.py`` measures it against that and against bf16.
+
+One program per (N-tile, M-tile, K-split): the x tile ``[BLOCK_M, BLOCK_K]``, the weight tile
+``[BLOCK_K, BLOCK_N]`` in fp8 with one E8M0 byte per 32 of its K columns (loaded once per 32
+and broadcast), ``tl.dot`` with fp32 accumulation. At decode (a few rows) the weight is the
+whole cost and ``N / BLOCK_N`` programs are too few to keep HBM busy, so K is split over
+``split_k`` programs that write fp32 partial sums; a second kernel adds them in split order and
+casts (no atomics: a graph replay equals an eager run bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.kernels.triton_utils import check_device, interpreting
+from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
+from models.minimax_m3.mxfp8 import FP8
+
+from .fp8_tiles import block_scales, dequant_fp8
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tiles of ``mxfp8_linear``: ``block_k`` a multiple of 32 (the scale block); ``split_k``
+    programs share each output tile's K range (1: no second pass)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"LinearConfig.{f.name} must be a positive int, got {v!r}")
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, got {v}")
+        if self.block_k % MX_BLOCK:
+            raise ValueError(f"LinearConfig.block_k must be a multiple of {MX_BLOCK} (the scale block), "
+                             f"got {self.block_k}")
+
+
+_DECODE_MAX_TOKENS = 64
+_PROGRAMS_WANTED = 264  # two waves of the H200's 132 SMs
+
+
+def default_linear_config(num_tokens: int, n: int, k: int) -> LinearConfig:
+    """Decode: 16-row tiles and K split until about two programs per SM; prefill: 64-row tiles
+    (one wgmma warpgroup), no split."""
+    if num_tokens > _DECODE_MAX_TOKENS:
+        return LinearConfig(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=4)
+    cfg = LinearConfig()
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(num_tokens, cfg.block_m)
+    split = max(1, min(k // cfg.block_k, _PROGRAMS_WANTED // max(tiles, 1)))
+    return LinearConfig(split_k=split)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_ptr, stride_out_split, stride_out,
+                         T, N, K, k_per_split,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN: tl.constexpr, DOT_F32: tl.constexpr):
+    """out[split, rows, cols] = x[rows, K-range] @ dequant(w[cols, K-range])^T (fp32 when split,
+    else out's dtype)."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    r_ok, c_ok = rows < T, cols < N
+    c_ld = cols % N  # a partial last tile re-reads valid rows (discarded) instead of masking
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = split * k_per_split
+    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_base = w_ptr + c_ld.to(tl.int64)[None, :] * stride_w + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    s_base = s_ptr + c_ld.to(tl.int64)[None, :] * stride_s
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        if EVEN:
+            xa = tl.load(x_base + k0, mask=r_ok[:, None], other=0.0)
+            w = tl.load(w_base + k0)
+            sc = block_scales(s_base, k0, BLOCK_K, BLOCK_N)
+        else:
+            k_ok = offs_k + k0 < K
+            xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
+            sc = tl.load(s_base + ((k0 + offs_k) // 32)[:, None], mask=k_ok[:, None], other=127)
+        wd = dequant_fp8(w, sc)
+        if DOT_F32:
+            acc = tl.dot(xa.to(tl.float32), wd, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xa, wd.to(xa.dtype), acc)
+    tl.store(out_ptr + split.to(tl.int64) * stride_out_split + rows.to(tl.int64)[:, None] * stride_out
+             + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _split_sum_kernel(part_ptr, stride_split, out_ptr, T, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, n] = sum over splits (in split order) of part[s, t, n]."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < T * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * stride_split + i, mask=ok, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None = None,
+                 config: LinearConfig | None = None) -> Tensor:
+    """``x [T, K] @ dequant(weight [N, K], scale_inv [N, K/32])^T -> out [T, N]`` in x's dtype;
+    graph-capturable (grids from shapes, scratch from shapes).
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not match.
+    """
+    check_device("mxfp8_linear", x, weight, scale_inv)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, K] with contiguous rows, got {tuple(x.shape)}")
+    t, k = x.shape
+    if weight.dtype != FP8 or weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"weight must be fp8 e4m3 [N, K={k}] with contiguous rows, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n = weight.shape[0]
+    if k % MX_BLOCK or scale_inv.dtype != torch.uint8 or tuple(scale_inv.shape) != (n, k // MX_BLOCK) \
+            or scale_inv.stride(1) != 1:
+        raise ValueError(f"scale_inv must be uint8 [N={n}, K/32={k // MX_BLOCK}] (K a multiple of 32), got "
+                         f"{scale_inv.dtype} {tuple(scale_inv.shape)}")
+    if out is None:
+        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (t, n) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [T={t}, N={n}], got {tuple(out.shape)}")
+    if t == 0:
+        return out
+    cfg = config or default_linear_config(t, n, k)
+    steps = triton.cdiv(k, cfg.block_k)
+    split = min(cfg.split_k, steps)
+    k_per_split = triton.cdiv(steps, split) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # every split gets work
+    dot_f32 = interpreting() or x.dtype == torch.float32
+    target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(t, cfg.block_m), split)
+    _mxfp8_linear_kernel[grid](
+        x, x.stride(0), weight, weight.stride(0), scale_inv, scale_inv.stride(0), target,
+        0 if split == 1 else target.stride(0), n, t, n, k, k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=k % k_per_split == 0 and
+        k_per_split % cfg.block_k == 0, DOT_F32=dot_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(t * n, block),)](target, target.stride(0), out, t, n, SPLIT=split,
+                                                         BLOCK=block)
+    return out
+
+
+__all__ = ["LinearConfig", "default_linear_config", "mxfp8_linear"]

@@ -1,0 +1,91 @@
+"""The MXFP8 linear kernel (``kernels/fp8_linear.py``) against ``F.linear`` on the dequantised
+weight: interpreter on CPU (small shapes, fp32), real rank-of-8 projection shapes on the GPU, and
+a compile check for Hopper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.paged import DEV
+from helpers.triton_compile import run_compile_reports
+
+from models.minimax_m3.kernels.fp8_linear import LinearConfig, default_linear_config, mxfp8_linear
+from models.minimax_m3.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+
+def problem(t: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEV)
+    q, s = quantize_mxfp8(torch.randn(n, k, generator=g) * k**-0.5)
+    q, s = q.to(DEV), s.to(DEV)
+    return x, q, s, F.linear(x.float(), dequantize_mxfp8(q, s, torch.float32))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("t,n,k,cfg", [
+    (1, 40, 64, None),                                  # decode default, N not a tile multiple
+    (5, 100, 96, LinearConfig(block_k=64)),             # K not a multiple of the K step: masked loop
+    (20, 64, 512, LinearConfig(block_k=64, split_k=3)),  # split K, uneven split (8 steps over 3)
+    (70, 48, 128, None),                                # prefill default
+], ids=["decode", "masked-k", "split-k", "prefill"])
+def test_matches_f_linear_on_the_dequantized_weight(t, n, k, cfg):
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    x, q, s, ref = problem(t, n, k, dtype, seed=t)
+    out = mxfp8_linear(x, q, s, config=cfg)
+    assert out.dtype == dtype and out.shape == (t, n)
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(mxfp8_linear(x, q, s, config=cfg), out)  # fixed reduction order
+
+
+def test_decode_splits_k_to_fill_the_gpu_and_prefill_does_not():
+    assert default_linear_config(1, 1536, 6144).split_k > 1  # qkv at rank-of-8: 24 N-tiles alone
+    assert default_linear_config(1, 6144, 1024).split_k == 2  # o_proj: 96 tiles, K of 4 steps
+    assert default_linear_config(1054, 6144, 1024).split_k == 1
+
+
+def test_refusals():
+    x, q, s, _ = problem(2, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match=r"weight must be fp8 e4m3 \[N, K=64\]"):
+        mxfp8_linear(x, q.float(), s)
+    with pytest.raises(ValueError, match=r"scale_inv must be uint8 \[N=32, K/32=2\]"):
+        mxfp8_linear(x, q, s[:, :1])
+    with pytest.raises(ValueError, match="block_k must be a multiple of 32"):
+        LinearConfig(block_k=16)
+
+
+# rank-of-8 projections (N, K): qkv of a sparse layer (about), o_proj, dense MLP gate_up and down
+REAL = [(1536, 6144), (6144, 1024), (3072, 6144), (6144, 1536)]
+
+
+def test_kernels_compile_for_hopper():
+    cases = []
+    for t in (1, 1054):
+        for n, k in REAL[:2]:
+            cfg = default_linear_config(t, n, k)
+            c = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN": True,
+                 "DOT_F32": False}
+            ptrs = {"w_ptr": "fp8e4nv", "s_ptr": "u8", "out_ptr": "fp32" if cfg.split_k > 1 else "bf16"}
+            cases.append(["models.minimax_m3.kernels.fp8_linear", "_mxfp8_linear_kernel", c, ptrs, [],
+                          cfg.num_warps, cfg.num_stages])
+    reports = run_compile_reports(cases)  # shared memory and spills checked there
+    assert reports[-1]["wgmma"]  # prefill tiles use the tensor cores' warpgroup MMA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 8, 32, 64, 1054])
+def test_cuda_real_shapes_and_graph_replay(t):
+    for n, k in REAL:
+        x, q, s, ref = problem(t, n, k, torch.bfloat16, seed=n + t)
+        out = mxfp8_linear(x, q, s)
+        assert rel_err(out, ref) < 1e-2, (n, k)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = mxfp8_linear(x, q, s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out), (n, k)
