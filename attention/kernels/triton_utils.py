@@ -86,3 +86,23 @@ def fix_interpreter_scalar_index() -> None:
 
     patched._graphcap_fixed = True  # type: ignore[attr-defined]
     interp._patch_lang_tensor = patched
+
+
+def check_tile_config(config: object, dot_dims: tuple[str, ...]) -> None:
+    """A frozen tile-config dataclass: every field a positive int, and the fields in ``dot_dims``
+    powers of two >= 16 (``tl.dot`` dimensions).
+
+    Raises:
+        ValueError: naming the class, the field and the value.
+    """
+    import dataclasses
+
+    cls = type(config).__name__
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        v = getattr(config, f.name)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{cls}.{f.name} must be a positive int, got {v!r}")
+    for name in dot_dims:
+        v = getattr(config, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{cls}.{name} must be a power of two >= 16 (a tl.dot dimension), got {v}")

@@ -14,13 +14,13 @@ casts (no atomics: a graph replay equals an eager run bit for bit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.triton_utils import check_device, interpreting
+from attention.kernels.triton_utils import check_device, check_tile_config, interpreting
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8
 
@@ -42,14 +42,7 @@ class LinearConfig:
     num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"LinearConfig.{f.name} must be a positive int, got {v!r}")
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, got {v}")
+        check_tile_config(self, ("block_m", "block_n", "block_k"))
         if self.block_k % MX_BLOCK:
             raise ValueError(f"LinearConfig.block_k must be a multiple of {MX_BLOCK} (the scale block), "
                              f"got {self.block_k}")

@@ -41,7 +41,7 @@ against, and the CPU path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from attention.kernels.triton_utils import check_device, interpreting, next_pow2
+from attention.kernels.triton_utils import check_device, check_tile_config, interpreting, next_pow2
 from models.minimax_m3.layers import swiglu_oai_f32
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
@@ -99,14 +99,8 @@ class MoEConfig:
     combine_block: int = 1024
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"MoEConfig.{f.name} must be a positive int, got {v!r}")
-        for name in ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h", "down_block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"MoEConfig.{name} must be a power of two >= 16 (a tl.dot dimension), got {v}")
+        check_tile_config(self, ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h",
+                                 "down_block_k"))
         for name in ("gu_num_warps", "down_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"MoEConfig.{name} must be one of 1, 2, 4, 8, 16, got {getattr(self, name)}")
