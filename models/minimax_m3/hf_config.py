@@ -12,6 +12,8 @@ import os
 from dataclasses import Field
 from typing import Any, Callable, Mapping, Sequence
 
+from common.values import is_int
+
 from .mxfp8 import MXFP8Config
 
 
@@ -278,7 +280,7 @@ def _kind(value: Any) -> str:
 def _read_int(key: str, value: Any) -> int:
     """A JSON integer. Bools (``True`` is an int to Python), floats (even ``16.0``) and quoted
     numbers are refused: a size written any other way is a typo, not a size."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(
             f"config.json field {key!r} must be an integer, got {value!r} ({_kind(value)}); "
             f"write a JSON integer (no quotes, no decimal point)"

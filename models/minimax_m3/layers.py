@@ -81,6 +81,11 @@ class DenseMLP(nn.Module):
         return self.down_proj(swiglu_oai(gu[:, : self.inter], gu[:, self.inter :], self.alpha, self.limit))
 
 
+def router_scores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(fp32(x) W^T)``: x ``[T, H]``, gate_weight fp32 ``[E, H]`` -> fp32 ``[T, E]``."""
+    return torch.sigmoid(F.linear(x.float(), gate_weight.float()))
+
+
 def route(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -100,7 +105,7 @@ def route(
     Returns:
         ids int64 ``[T, top_k]`` (global expert ids), weights fp32 ``[T, top_k]``.
     """
-    scores = torch.sigmoid(F.linear(x.float(), gate_weight.float()))
+    scores = router_scores(x, gate_weight)
     ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
     w = scores.gather(1, ids)
     w = w / w.sum(-1, keepdim=True) * scale
@@ -134,7 +139,7 @@ class StackedExperts(nn.Module):
     def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` for the torch MoE: the parameters themselves, or
         for MXFP8 experts both dequantised to ``dtype`` (fresh tensors every call, all ``E``
-        experts: the torch path's cost until fp8 MoE kernels replace it)."""
+        experts: the torch path's cost; the fused MoE reads fp8 experts itself)."""
         if not self.quantized:
             return self.w13, self.w2
         return (dequantize_mxfp8(self.w13, self.w13_scale_inv, dtype),

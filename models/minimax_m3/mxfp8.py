@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.values import is_int
+
 BLOCK = 32  # input columns per E8M0 scale
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value (0.875 * 2**9)
@@ -95,7 +97,7 @@ class MXFP8Config:
         if block is None:
             block = [1, BLOCK]
         if not isinstance(block, (list, tuple)) or len(block) != 2 or \
-                not all(isinstance(b, int) and not isinstance(b, bool) for b in block):
+                not all(is_int(b) for b in block):
             raise ValueError(f"quantization_config.weight_block_size must be a list of two integers, got {block!r}; "
                              f"write [1, {BLOCK}]")
         scheme = raw.get("activation_scheme")

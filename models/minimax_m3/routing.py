@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from attention.dims import AttentionDims
 from attention.registry import make_backend
@@ -39,7 +38,7 @@ from kvcache.paged import PagedKVCache
 from models.runner.runner import ModelRunner
 from steps import TokenChunk
 
-from .layers import BlockSparseMoE, route
+from .layers import BlockSparseMoE, local_expert_keys, route, router_scores
 
 ROUTINGS = ("model", "uniform", "balanced")
 SPREAD_WARNING = 0.8  # below this fraction of the uniform expectation a figure is not a deployment's
@@ -167,8 +166,7 @@ class CalibratingMoE:
 
     def __call__(self, moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
         rows = x if num_real_tokens is None else x[: int(num_real_tokens)]
-        scores = torch.sigmoid(F.linear(rows.float(), moe.gate.weight.float()))
-        moe.e_score_correction_bias.copy_(balanced_bias(scores, moe.top_k))
+        moe.e_score_correction_bias.copy_(balanced_bias(router_scores(rows, moe.gate.weight), moe.top_k))
         self.layers += 1
         return self.inner(moe, x, num_real_tokens)
 
@@ -295,9 +293,9 @@ class RecordingMoE:
     def __call__(self, moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
         ids, _ = select_experts(moe, x, num_real_tokens, self.simulation)
         n = x.shape[0] if num_real_tokens is None else int(num_real_tokens)
-        local = ids[:n] - moe.expert_offset
-        held = (ids[:n] >= 0) & (local >= 0) & (local < moe.experts.num_experts)
-        self.local.append(torch.where(held, local, -1).cpu())
+        held = moe.experts.num_experts
+        keys = local_expert_keys(ids[:n], moe.expert_offset, held)  # ``held`` for another rank's or padding
+        self.local.append(torch.where(keys < held, keys, -1).cpu())
         return self.inner(moe, x, num_real_tokens)
 
 
@@ -311,6 +309,16 @@ def recorded_routing(model: torch.nn.Module) -> Iterator[RecordingMoE]:
         yield recorder
     finally:
         model.ops = saved
+
+
+@contextlib.contextmanager
+def _eager_twin(runner: ModelRunner) -> Iterator[ModelRunner]:
+    """A runner without graphs over ``runner``'s model and cache, its manager destroyed after."""
+    eager = runner.with_capture(CaptureConfig(enabled=False, max_tokens=runner.max_tokens))
+    try:
+        yield eager
+    finally:
+        eager.manager.destroy()
 
 
 @torch.inference_mode()
@@ -333,12 +341,8 @@ def measure_routing_spread(runner: ModelRunner, batch: int = 32, prompt_len: int
     if not moes:
         return None
     if step is not None:
-        eager = runner.with_capture(CaptureConfig(enabled=False, max_tokens=runner.max_tokens))
-        try:
-            with recorded_routing(model) as rec:
-                eager.run_chunks(step, commit=False)
-        finally:
-            eager.manager.destroy()
+        with _eager_twin(runner) as eager, recorded_routing(model) as rec:
+            eager.run_chunks(step, commit=False)
         return _spread(model, moes[0], sum(ch.num_tokens for ch in step), rec)
     prompt_len = max(1, min(prompt_len, runner.max_tokens, runner.max_seq_len - 1))  # what one step holds
     page = runner.page_size
@@ -348,27 +352,26 @@ def measure_routing_spread(runner: ModelRunner, batch: int = 32, prompt_len: int
     if batch < 1:
         raise RuntimeError(f"measuring the expert spread needs a free request slot and {per_request} free KV pages; "
                            f"the runner has {free_rows} slots and {runner.num_free_pages} pages free")
-    eager = runner.with_capture(CaptureConfig(enabled=False, max_tokens=runner.max_tokens))
     gen = torch.Generator().manual_seed(seed * 104_729 + 3)
     vocab = min(runner.vocab_size, model.config.vocab_size)
     names = [("routing-spread", i) for i in range(batch)]
-    try:
-        prompts = []
-        for name in names:
-            eager.add_request(name)
-            prompts.append(TokenChunk(name, 0, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()))
-        per_step = max(1, runner.max_tokens // prompt_len)
-        for i in range(0, batch, per_step):
-            eager.run_chunks(prompts[i : i + per_step])
-        decode = [TokenChunk(name, prompt_len, [int(torch.randint(0, vocab, (1,), generator=gen))])
-                  for name in names]
-        with recorded_routing(model) as rec:
-            eager.run_chunks(decode)
-    finally:
-        for name in names:
-            if eager.cache.has_sequence(name):
-                eager.free_request(name)
-        eager.manager.destroy()
+    with _eager_twin(runner) as eager:
+        try:
+            prompts = []
+            for name in names:
+                eager.add_request(name)
+                prompts.append(TokenChunk(name, 0, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()))
+            per_step = max(1, runner.max_tokens // prompt_len)
+            for i in range(0, batch, per_step):
+                eager.run_chunks(prompts[i : i + per_step])
+            decode = [TokenChunk(name, prompt_len, [int(torch.randint(0, vocab, (1,), generator=gen))])
+                      for name in names]
+            with recorded_routing(model) as rec:
+                eager.run_chunks(decode)
+        finally:
+            for name in names:
+                if eager.cache.has_sequence(name):
+                    eager.free_request(name)
     return _spread(model, moes[0], batch, rec)
 
 
