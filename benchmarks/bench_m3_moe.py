@@ -11,7 +11,11 @@ the floor), achieved TB/s against it, time / (floor at 4.3 TB/s), and the relati
 against an fp32 computation. Weights are not L2-resident: each graph replays 8 calls that
 rotate over 2 routed weight sets (1.8 GB each) and 8 shared-expert sets.
 
-Paths: ``fused_moe`` for every ``moe_config_candidates(T)`` entry; the torch reference
+Paths: ``fused_moe`` for every ``moe_config_candidates(T)`` entry; with ``--mxfp8`` (on by
+default) also ``fused_moe`` on the same weights quantized to MXFP8 for every
+``moe_config_candidates(T, fp8=True)`` entry (the bf16 shapes, and at decode the larger fp8
+steps), its floor counting fp8 bytes plus a scale byte per 32 and its error taken against fp32 on
+the dequantised weights; the torch reference
 ``BlockSparseMoE.routed_grouped`` (sorted pairs + ``torch._grouped_mm``) + the shared MLP;
 ``torch.compile`` of that torch path (skipped with ``--no-compile`` or once the time budget
 is tight).
@@ -48,7 +52,7 @@ class Dims:
     top_k: int = 4
 
 
-SMOKE_DIMS = Dims(hidden=64, inter=32, shared_inter=48, num_local=4, num_global=16, top_k=2)
+SMOKE_DIMS = Dims(hidden=64, inter=32, shared_inter=64, num_local=4, num_global=16, top_k=2)
 
 
 @dataclass
@@ -82,9 +86,25 @@ class Weights:
         H, inter, Is, E = d.hidden, d.inter, d.shared_inter, d.num_local
         self.routed = [(r(E, 2 * inter, H), r(E, H, inter)) for _ in range(routed_sets)]
         self.shared = [(r(2 * Is, H), r(H, Is)) for _ in range(shared_sets)]
+        self.fp8: list[tuple] = []  # per call set: (fp8 weights, MoEScales, dequantised weights)
 
     def call_sets(self, n_calls: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         return [self.routed[i % len(self.routed)] + self.shared[i % len(self.shared)] for i in range(n_calls)]
+
+    def quantize(self, n_calls: int) -> None:
+        """MXFP8 copies of the call sets (the routed ones shared between calls as above)."""
+        from models.minimax_m3.kernels.moe import MoEScales
+        from models.minimax_m3.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+        q: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for s in self.call_sets(n_calls):
+            for w in s:
+                if id(w) not in q:
+                    q[id(w)] = quantize_mxfp8(w)
+        for s in self.call_sets(n_calls):
+            pairs = [q[id(w)] for w in s]
+            self.fp8.append((tuple(a for a, _ in pairs), MoEScales(*(b for _, b in pairs)),
+                             tuple(dequantize_mxfp8(a, b, w.dtype) for (a, b), w in zip(pairs, s))))
 
 
 def router_routing(T: int, d: Dims, gen: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +207,18 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
             return lambda: fused_moe(x, ids, w, *sets[i], ALPHA, LIMIT, out, config=cfg)
 
         run("fused_moe", f"cand{ci}" + (" (default)" if ci == 0 else ""), make)
+    if wts.fp8:
+        ref_bf16 = ref
+        ref = reference_fp32(x, ids, w, *wts.fp8[0][2])  # the dequantised weights
+        nbytes_bf16, nbytes = nbytes, float((n_exp * 3 * inter * H + 3 * Is * H) * 33 / 32 + 2 * T * H * 2
+                                            + T * d.top_k * 8)
+        for ci, cfg in enumerate(moe_config_candidates(T, fp8=True)):
+            def make8(i: int, out: torch.Tensor, cfg=cfg) -> Callable[[], None]:
+                q, sc, _ = wts.fp8[i]
+                return lambda: fused_moe(x, ids, w, *q, ALPHA, LIMIT, out, config=cfg, scales=sc)
+
+            run("fused_moe mxfp8", f"cand{ci}" + (" (default)" if ci == 0 else ""), make8)
+        ref, nbytes = ref_bf16, nbytes_bf16
 
     def make_torch(fn: Callable) -> Callable[[int, torch.Tensor], Callable[[], None]]:
         return lambda i, out: (lambda: out.copy_(fn(x, gids, gw, *sets[i])))
@@ -202,7 +234,7 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'T':>5} {'path':14} {'config':30} {'exp':>3} {'us':>9} {'floor us':>9} {'x floor':>7} {'TB/s':>6} "
+    print(f"{'T':>5} {'path':15} {'config':30} {'exp':>3} {'us':>9} {'floor us':>9} {'x floor':>7} {'TB/s':>6} "
           f"{'rel err':>8}  note")
     for r in rows:
         dv = r.derived
@@ -210,7 +242,7 @@ def print_table(rows: list[Row]) -> None:
         def f(v: float | None, fmt: str) -> str:
             return format(v, fmt) if v is not None else "-"
 
-        print(f"{r.tokens:>5} {r.path:14} {r.config:30} {r.experts:>3} {f(r.time_us, '9.1f')} {dv['floor_us']:9.1f} "
+        print(f"{r.tokens:>5} {r.path:15} {r.config:30} {r.experts:>3} {f(r.time_us, '9.1f')} {dv['floor_us']:9.1f} "
               f"{f(dv['x_floor'], '7.2f')} {f(dv['tbps'], '6.2f')} {f(r.rel_err, '8.1e')}  {r.note}")
 
 
@@ -226,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routed-sets", type=int, default=2, help="routed weight sets (1.8 GB each)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, host timing: checks the script runs")
+    ap.add_argument("--no-mxfp8", dest="mxfp8", action="store_false", help="leave out the MXFP8 paths")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -242,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         d, device = Dims(), "cuda"
     torch.manual_seed(0)
     wts = Weights(d, args.routed_sets, args.calls, device, torch.bfloat16)
+    if args.mxfp8:
+        wts.quantize(args.calls)
     compiled = None
     if not args.no_compile:
         compiled = torch.compile(torch_grouped, dynamic=None)

@@ -1,6 +1,7 @@
 """The projections of an MXFP8 rank-of-8 model: bf16 ``F.linear`` (cuBLAS) vs what
 ``mxfp8.MXFP8Linear`` runs today (dequantise the whole weight, then ``F.linear``) vs the Triton
-kernel that reads fp8 and dequantises in registers (``kernels/fp8_linear.py``).
+kernel that reads fp8 and dequantises in registers (``kernels/fp8_linear.py``, every
+``linear_config_candidates`` entry, the best reported) vs the Triton dequantise kernel + F.linear.
 
 GPU only. Shapes (N, K): qkv of a sparse layer (about 1536 x 6144), o_proj 6144 x 1024, dense MLP
 gate_up 3072 x 6144 and down 6144 x 1536, at T = 1, 8, 32, 64, 1054 rows. Each path is timed by
@@ -25,8 +26,8 @@ SETS, CALLS, REPS = 8, 16, 20
 
 
 def measure(name: str, n: int, k: int, t: int, sets: list) -> dict:
-    """One projection at ``t`` rows: the three paths' graph-replay us, after the check."""
-    from models.minimax_m3.kernels.fp8_linear import default_linear_config, mxfp8_linear
+    """One projection at ``t`` rows: every path's graph-replay us, after the checks."""
+    from models.minimax_m3.kernels.fp8_linear import dequantized_linear, linear_config_candidates, mxfp8_linear
     from models.minimax_m3.mxfp8 import dequantize_mxfp8
 
     x = torch.randn(t, k, device="cuda").bfloat16()
@@ -40,18 +41,29 @@ def measure(name: str, n: int, k: int, t: int, sets: list) -> dict:
         "bf16 F.linear": lambda i: torch.matmul(x, sets[i % SETS][2].t(), out=outs[i]),
         "dequant + F.linear": lambda i: torch.matmul(
             x, dequantize_mxfp8(sets[i % SETS][0], sets[i % SETS][1], torch.bfloat16).t(), out=outs[i]),
-        "triton fp8": lambda i: mxfp8_linear(x, sets[i % SETS][0], sets[i % SETS][1], out=outs[i]),
+        "triton dequant + F.linear": lambda i: outs[i].copy_(dequantized_linear(x, sets[i % SETS][0],
+                                                                                 sets[i % SETS][1])),
     }
-    row = {"proj": name, "N": n, "K": k, "T": t, "rel_err": err, "config": str(default_linear_config(t, n, k)),
+    cands = linear_config_candidates(t, n, k)
+    for ci, cfg in enumerate(cands):
+        err_c = ((mxfp8_linear(x, q, s, config=cfg).float() - ref.float()).norm() / ref.float().norm()).item()
+        if err_c > 1e-2:
+            raise SystemExit(f"{name} T={t}: candidate {cfg} differs from F.linear by {err_c:.2e}")
+        paths[f"triton fp8 c{ci}"] = lambda i, cfg=cfg: mxfp8_linear(x, sets[i % SETS][0], sets[i % SETS][1],
+                                                                      out=outs[i], config=cfg)
+    row = {"proj": name, "N": n, "K": k, "T": t, "rel_err": err, "configs": [str(c) for c in cands],
            "floor_us": {"bf16": 2 * n * k / HBM_BYTES_PER_US, "fp8": n * k * 33 / 32 / HBM_BYTES_PER_US}}
     for label, fn in paths.items():
         calls = [lambda i=i, fn=fn: fn(i) for i in range(CALLS)]
         for c in calls:
             c()  # build and allocate outside the capture
         row[label] = graph_replay_us(calls, REPS)
+    best = min(range(len(cands)), key=lambda ci: row[f"triton fp8 c{ci}"])
+    row["triton fp8"], row["triton fp8 best"] = row[f"triton fp8 c{best}"], best
     print(f"{name:>12} T={t:5d}: bf16 {row['bf16 F.linear']:7.1f} us (floor {row['floor_us']['bf16']:6.1f}), "
           f"dequant+linear {row['dequant + F.linear']:7.1f}, triton fp8 {row['triton fp8']:7.1f} "
-          f"(floor {row['floor_us']['fp8']:6.1f}), err {err:.1e}", flush=True)
+          f"(c{best}; floor {row['floor_us']['fp8']:6.1f}), "
+          f"triton dequant+linear {row['triton dequant + F.linear']:7.1f}, err {err:.1e}", flush=True)
     return row
 
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
 import sys
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -162,8 +164,8 @@ def run_mode(base: ModelRunner, mode: str, audit_every: int, env: CaptureConfig,
 
 
 def table(results: list[dict]) -> Table:
-    base = next((r for r in results if r["mode"] == "decode"), None)
-    t = Table(title="serving simulation" + (" (ratios vs decode mode)" if base else ""))
+    base = next((r for r in results if r["mode"].split()[0] == "decode"), None)  # "decode" or "decode bf16"
+    t = Table(title="serving simulation" + (f" (ratios vs {base['mode']} mode)" if base else ""))
     t.add_column("figure")
     for r in results:
         t.add_column(r["mode"], justify="right")
@@ -256,6 +258,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routing", choices=ROUTINGS, default="model",
                    help="model (the router; random weights get a calibrated bias), or a simulation: uniform, balanced")
+    p.add_argument("--weights", default="bf16",
+                   help="comma list of weight formats, bf16 and/or mxfp8 (random weights quantized); each is built "
+                        "in turn (one model in memory at a time) and serves the same requests")
     p.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next launch")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--trace", default=None, help="chrome trace of a few steps of the last mode")
@@ -293,16 +298,24 @@ def main() -> None:
     max_seq_len = prompt_len[1] + output_len[1]
     kw = dict(device=group.device if group else args.device, dtype=dtype, backend="auto", max_tokens=args.token_budget,
               max_seqs=args.concurrency, max_seq_len=max_seq_len, group=group, routing=args.routing)
-    if args.checkpoint:
-        base = build_from_checkpoint(args.checkpoint, num_layers=args.layers, **kw)
-    else:
-        config = MiniMaxM3Config.preset(args.preset)
+    formats = [w.strip() for w in args.weights.split(",") if w.strip()]
+    if not formats or set(formats) - {"bf16", "mxfp8"} or (args.checkpoint and formats != ["bf16"]):
+        sys.exit(f"--weights {args.weights!r}: a comma list of bf16 and mxfp8 (random weights only; a checkpoint "
+                 "brings its own format)")
+
+    def build(weights: str):
+        if args.checkpoint:
+            return build_from_checkpoint(args.checkpoint, num_layers=args.layers, **kw)
+        config = MiniMaxM3Config.preset(args.preset, quantization="mxfp8" if weights == "mxfp8" else None)
         base = build_from_preset(config.first_layers(args.layers) if args.layers else config, **kw)
-    # Kernel choices for every bucket size of the fullest mode, before any mode runs: every
-    # mode's eager and graphed steps of one size then run the same kernels.
-    sizes = {k.rows for k in base.with_capture(dataclasses.replace(env, enabled=True, mode=None)).manager.keys()}
-    for rows in sorted(sizes):
-        base.model.ops.choose_kernels(base.model, rows)
+        # Kernel choices for every bucket size of the fullest mode, before any mode runs: every
+        # mode's eager and graphed steps of one size then run the same kernels.
+        sizes = {k.rows for k in base.with_capture(dataclasses.replace(env, enabled=True, mode=None)).manager.keys()}
+        for rows in sorted(sizes):
+            base.model.ops.choose_kernels(base.model, rows)
+        return base
+
+    base = build(formats[0])
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     requests = make_requests(args.requests, prompt_len, output_len, base.vocab_size, seed=args.seed,
                              sampling=sampling, rate=args.rate)
@@ -321,13 +334,35 @@ def main() -> None:
         console.print(spread.describe())
     runs = [(mode, n) for mode in modes for n in (audits if mode != "none" else [0])]
     results = []
-    for i, (mode, n) in enumerate(runs):
-        results.append(run_mode(base, mode, n, env, args, requests, warmup, cuda, console,
-                                trace=bool(args.trace) and i == len(runs) - 1 and rank == 0))
-        r = results[-1]
-        console.print(f"{r['mode']}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 {r['ttft_s_p50']:.3f} s, "
-                      f"{r['steps']} steps in {r['wall_s']:.1f} s")
+    for wi, weights in enumerate(formats):
+        if wi:  # one model in memory at a time: the next format is built after the last is freed
+            base.destroy()
+            gone = weakref.ref(base.model)
+            del base
+            gc.collect()  # runners and engines in reference cycles go only with the collector
+            if gone() is not None:
+                sys.exit(f"--weights: the {formats[wi - 1]} model is still referenced; cannot free it for {weights}")
+            if cuda:
+                torch.cuda.empty_cache()
+            base = build(weights)
+        for i, (mode, n) in enumerate(runs):
+            last = wi == len(formats) - 1 and i == len(runs) - 1
+            results.append(run_mode(base, mode, n, env, args, requests, warmup, cuda, console,
+                                    trace=bool(args.trace) and last and rank == 0))
+            r = results[-1]
+            if len(formats) > 1:
+                r["weights"] = weights
+                r["mode"] = f"{r['mode']} {weights}"
+            console.print(f"{r['mode']}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 "
+                          f"{r['ttft_s_p50']:.3f} s, {r['steps']} steps in {r['wall_s']:.1f} s")
     console.print(table(results))
+    for r in results:  # each format against the first, mode by mode
+        first = next(f for f in results if f.get("weights") == formats[0] and f["mode"].split()[0] ==
+                     r["mode"].split()[0]) if r.get("weights", formats[0]) != formats[0] else None
+        if first is not None:
+            console.print(f"{r['mode']} vs {first['mode']}: per-user tok/s "
+                          f"{r['per_user_tok_s_mean'] / first['per_user_tok_s_mean']:.2f}x, total tok/s "
+                          f"{r['total_tok_s'] / first['total_tok_s']:.2f}x")
     base.destroy()
     if group:
         group.destroy()

@@ -9,6 +9,7 @@ re-evaluation of callable sources (caches that may swap their tensors).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable, Mapping, Union
 
 import torch
@@ -18,6 +19,16 @@ Source = Union[torch.Tensor, nn.Module, Callable[[], Mapping[str, torch.Tensor]]
 
 
 _address = torch.Tensor.data_ptr  # a reallocation moves it; an in-place shrink keeps memory valid
+
+
+# Hooks of registries that were collected, removed at the next ``add``: a registry can be
+# collected while torch iterates its global hooks (a garbage collection during a parameter
+# registration), and removing a hook then would change the dict under that iteration.
+_RETIRED_HOOKS: list = []
+
+
+def _retire_hooks(handles: list) -> None:
+    _RETIRED_HOOKS.extend(handles)
 
 
 class StorageRegistry:
@@ -55,10 +66,22 @@ class StorageRegistry:
             if not self._hooks:
                 from torch.nn.modules import module as module_hooks
 
-                self._hooks = [
-                    module_hooks.register_module_parameter_registration_hook(self._on_registration),
-                    module_hooks.register_module_buffer_registration_hook(self._on_registration),
-                ]
+                while _RETIRED_HOOKS:
+                    _RETIRED_HOOKS.pop().remove()
+                # The hooks are global: they reach this registry through a weak reference and
+                # are retired when it is collected, so a dropped runner's registry (and the
+                # model it watches) can be freed without close(). (A bound method here kept
+                # every model alive.)
+                on_registration = weakref.WeakMethod(self._on_registration)
+
+                def hook(module: nn.Module, key: str, value: object) -> None:
+                    method = on_registration()
+                    if method is not None:
+                        method(module, key, value)
+
+                self._hooks = [module_hooks.register_module_parameter_registration_hook(hook),
+                               module_hooks.register_module_buffer_registration_hook(hook)]
+                weakref.finalize(self, _retire_hooks, list(self._hooks))
 
     def close(self) -> None:
         """Remove the global module hooks (the registry stops watching reassignment)."""

@@ -16,7 +16,9 @@
 # GPU-busy; with a checkout of an earlier commit in .baseline/, the same benchmark on it first, side
 # by side), audit (60-layer serving with audits off, 1 in 10 and 1 in 1000), routing (60-layer steps
 # with the concentrated random router, the calibrated one and uniform routing), fp8linear (the
-# MXFP8 projections: bf16 vs dequantise + F.linear vs the Triton fp8 kernel), or a pytest path.
+# MXFP8 projections: bf16 vs dequantise + F.linear vs the Triton fp8 kernels), mxfp8 (60-layer steps,
+# bf16 then MXFP8), mxserve (serving, bf16 then MXFP8, same requests), mxacc (MXFP8 vs its
+# dequantised bf16 twin: logits and 200-step greedy agreement), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -51,7 +53,7 @@ for part in "${parts[@]}"; do
                 $T python3 -m pytest -m cuda -q -rs --timeout 300 ${TEST_PATHS:-tests/} 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     toy)        $T python3 benchmarks/bench_toy.py --json "$OUT/bench_toy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     kernels)    $T python3 benchmarks/bench_attention_kernels.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    moe)        $T python3 benchmarks/bench_m3_moe.py --json "$OUT/bench_m3_moe.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    moe)        $T python3 benchmarks/bench_m3_moe.py ${MOE_ARGS:-} --json "$OUT/bench_m3_moe.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     routernorm) $T python3 benchmarks/bench_m3_router_norm.py --json "$OUT/bench_m3_router_norm.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     tiles)      $T python3 benchmarks/bench_prefill_tiles.py --json "$OUT/bench_prefill_tiles.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     profile)    $T python3 examples/profile_forward.py --preset rank-of-8 --layers 16 --decode 1,2,4,8,16,32 --context 3000 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
@@ -96,6 +98,15 @@ for part in "${parts[@]}"; do
                   $T python3 benchmarks/bench_steps.py $flag --label "$r" --decode ${ROUTING_DECODE:-1,8,32,64} --json "$OUT/bench_steps_routing_$r.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 done ;;
     fp8linear)  $T python3 benchmarks/bench_mxfp8_linear.py --json "$OUT/bench_mxfp8_linear.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    mxfp8)      # 60-layer steps, bf16 then MXFP8 (the same preset quantized), uniform routing by default
+                rc=0
+                for q in bf16 mxfp8; do
+                  flag=""; [ "$q" = mxfp8 ] && flag="--quantization mxfp8"
+                  $T python3 benchmarks/bench_steps.py --routing ${MXFP8_ROUTING:-uniform} $flag --label "$q" --decode ${MXFP8_DECODE:-1,8,32,64} --iters ${MXFP8_ITERS:-10} --json "$OUT/bench_steps_$q.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                done ;;
+    mxserve)    # serving, bf16 then MXFP8, the same requests (c30 default workload, calibrated routing)
+                $T python3 examples/serve_sim.py --preset rank-of-8 --weights bf16,mxfp8 --modes ${SERVE_MODES:-full_and_piecewise} --json "$OUT/serve_sim_mxfp8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    mxacc)      $T python3 benchmarks/mxfp8_accuracy.py --layers ${MXACC_LAYERS:-20} --steps 200 --json "$OUT/mxfp8_accuracy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     audit)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes full_and_piecewise --audit-every ${AUDIT_EVERY:-0,10,1000} --json "$OUT/serve_sim_audit.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac

@@ -65,6 +65,29 @@ def build_from_preset(name: str | MiniMaxM3Config, device: torch.device | str = 
     return runner_for(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
 
 
+def build_dequantized_twin(runner: ModelRunner, backend: str = "auto", num_pages: int | None = None,
+                           capture: CaptureConfig | None = None, producer: str = "auto") -> ModelRunner:
+    """A runner (``runner``'s sizes) whose model is ``runner``'s MXFP8 model unquantized, holding
+    its weights dequantised (the same values, in the runner's dtype) and routed the same way:
+    the reference an MXFP8 model's logits and tokens are compared against. ``producer``: its
+    op table (``make_ops``)."""
+    from .mxfp8 import FP8, SCALE_SUFFIX, dequantize_mxfp8
+
+    q = runner.model
+    if q.config.quantization is None:
+        raise ValueError("build_dequantized_twin needs an MXFP8 model; this one is not quantized")
+    dev = next(q.parameters()).device
+    routing = q.ops.routing.strategy if q.ops.routing is not None else "model"
+    twin = MiniMaxM3ForCausalLM(q.config.with_quantization(None), dtype=q.dtype, device=dev, routing=routing,
+                                producer=producer)
+    params = dict(q.named_parameters())
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            src = params[name]
+            p.copy_(dequantize_mxfp8(src, params[name + SCALE_SUFFIX], p.dtype) if src.dtype == FP8 else src)
+    return runner_for(twin, dev, backend, runner.max_tokens, runner.max_seqs, runner.max_seq_len, num_pages, capture)
+
+
 def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str = "cpu",
                           dtype: torch.dtype | None = None,
                           *, num_layers: int | None = None, backend: str = "auto", max_tokens: int = 512,
@@ -85,4 +108,4 @@ def build_from_checkpoint(folder: str | os.PathLike, device: torch.device | str 
     return runner_for(model, device, backend, max_tokens, max_seqs, max_seq_len, num_pages, capture)
 
 
-__all__ = ["build_from_checkpoint", "build_from_preset", "runner_for", "sharded_for"]
+__all__ = ["build_dequantized_twin", "build_from_checkpoint", "build_from_preset", "runner_for", "sharded_for"]

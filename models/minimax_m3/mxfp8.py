@@ -284,7 +284,8 @@ class MXFP8Linear(nn.Module):
     ``weight_scale_inv`` uint8 ``[out, in / 32]``.
 
     ``forward`` dequantises to the activation dtype and runs ``F.linear`` (fixed shapes, no host
-    sync: capturable). That materialises the weight per call; fp8 GEMM kernels replace it later.
+    sync: capturable): the torch op table's path and the reference. It materialises the weight
+    per call; the fused op table runs the fp8 kernels instead (``ops.FusedLinear``).
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:

@@ -16,8 +16,8 @@ Ops (``T`` tokens, hidden ``H``):
         norm of the sum; the fused kernel works in place (flashinfer's semantics: the norm
         reads the unrounded fp32 sum).
     mlp(mlp, x) -> ``[T, H]``: the dense layers' SwiGLU-OAI MLP.
-    linear(linear, x) -> ``[T, N]``: the attention projections (qkv_proj, o_proj); for MXFP8
-        weights the fused table runs the fp8 kernel where the tuner chose it.
+    linear(linear, x) -> ``[T, N]``: the projections (attention qkv_proj and o_proj, the dense
+        MLP's); for MXFP8 weights the fused table runs the fp8 kernel where the tuner chose it.
     moe(moe, x, num_real_tokens) -> ``[T, H]``: router, this rank's routed experts and the
         shared expert; rows ``>= num_real_tokens`` (padding) reach no routed expert.
     choose_kernels(model, num_tokens, tune): host work before a forward of ``num_tokens`` rows
@@ -27,6 +27,7 @@ Ops (``T`` tokens, hidden ``H``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -117,37 +118,50 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return x, residual
 
 
-def mlp_triton(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
+def mlp_triton(mlp: DenseMLP, x: torch.Tensor, linear: Callable[..., torch.Tensor] = linear_torch) -> torch.Tensor:
+    """The dense MLP with the fused activation; ``linear(module, x)`` runs its two projections
+    (the fused table hands its ``FusedLinear``: the fp8 kernel for MXFP8 weights)."""
     from .kernels.activation import swiglu_oai_triton
 
-    return mlp.down_proj(swiglu_oai_triton(mlp.gate_up_proj(x), mlp.alpha, mlp.limit))
+    return linear(mlp.down_proj, swiglu_oai_triton(linear(mlp.gate_up_proj, x), mlp.alpha, mlp.limit))
 
 
 class FusedLinear:
-    """Projections (qkv, o_proj): an MXFP8 weight runs the Triton fp8 kernel
-    (``kernels.fp8_linear``) at a row count where the tuner validated it against the module's own
-    forward (dequantise + ``F.linear``) and timed it faster; everything else runs the module."""
+    """Projections (attention qkv and o_proj, the dense MLP's two): an MXFP8 weight runs the
+    Triton fp8 kernel (``kernels.fp8_linear``, one of its tile candidates) or, at prefill sizes,
+    the Triton dequantise + ``F.linear``, where the tuner validated it against the module's own
+    forward (torch dequantise + ``F.linear``) and timed it fastest; everything else runs the
+    module."""
 
     OP = "mxfp8_linear"
+    DEQUANTIZE = "triton dequantise + F.linear"
 
     def __init__(self, tuner: KernelTuner) -> None:
         self.tuner = tuner
-        self._kernel_rows: set[tuple[int, int, int]] = set()  # (N, K, rows) where the kernel won
+        # (N, K, rows) -> the LinearConfig that won, or DEQUANTIZE
+        self._kernel_rows: dict[tuple[int, int, int], object] = {}
 
     def __call__(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(linear, MXFP8Linear) and (linear.out_features, linear.in_features, x.shape[0]) \
-                in self._kernel_rows:
-            from .kernels.fp8_linear import mxfp8_linear
-
-            return mxfp8_linear(x, linear.weight, linear.weight_scale_inv)
+        if isinstance(linear, MXFP8Linear):
+            choice = self._kernel_rows.get((linear.out_features, linear.in_features, x.shape[0]))
+            if choice is not None:
+                return self._run(choice, linear, x)
         return linear(x)
 
+    @classmethod
+    def _run(cls, choice: object, mod: MXFP8Linear, x: torch.Tensor) -> torch.Tensor:
+        from .kernels.fp8_linear import dequantized_linear, mxfp8_linear
+
+        if choice == cls.DEQUANTIZE:
+            return dequantized_linear(x, mod.weight, mod.weight_scale_inv)
+        return mxfp8_linear(x, mod.weight, mod.weight_scale_inv, config=choice)
+
     def choose(self, model: torch.nn.Module, num_tokens: int, tune: bool = True) -> None:
-        """For each MXFP8 projection shape, validate and time the kernel at ``num_tokens`` rows
-        (``tune=False``: keep the module's path, no kernel is tried mid-run)."""
+        """For each MXFP8 projection shape, validate and time the candidates at ``num_tokens``
+        rows (``tune=False``: keep the module's path, no kernel is tried mid-run)."""
         if not tune:
             return
-        from .kernels.fp8_linear import mxfp8_linear
+        from .kernels.fp8_linear import DECODE_MAX_TOKENS, linear_config_candidates
 
         shapes = {(m.out_features, m.in_features): m for m in model.modules() if isinstance(m, MXFP8Linear)}
         dtype = getattr(model, "dtype", torch.float32)
@@ -157,12 +171,15 @@ class FusedLinear:
                 continue
             gen = torch.Generator(device=mod.weight.device).manual_seed(num_tokens)
             x = torch.randn(num_tokens, k, generator=gen, device=mod.weight.device).to(dtype)
-            candidates = {"dequantise + F.linear": lambda mod=mod, x=x: mod(x),
-                          "triton fp8": lambda mod=mod, x=x: mxfp8_linear(x, mod.weight, mod.weight_scale_inv)}
+            choices: dict[str, object] = {f"triton fp8 {c}": c for c in linear_config_candidates(num_tokens, n, k)}
+            if num_tokens > DECODE_MAX_TOKENS:
+                choices[self.DEQUANTIZE] = self.DEQUANTIZE
+            candidates = {"dequantise + F.linear": lambda mod=mod, x=x: mod(x)}
+            candidates.update({name: lambda mod=mod, x=x, c=c: self._run(c, mod, x) for name, c in choices.items()})
             name = self.tuner.choose(self.OP, key, candidates, lambda mod=mod, x=x: mod(x),
                                      tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=f"N{n} K{k} {dtype}")
-            if name == "triton fp8":
-                self._kernel_rows.add(key)
+            if name in choices:
+                self._kernel_rows[key] = choices[name]
 
 
 def moe_scales(moe: BlockSparseMoE) -> MoEScales | None:
@@ -250,7 +267,7 @@ class FusedMoE:
         dev, dtype = x.device, x.dtype
         ids, w = self._probe_routing(moe, x)
         sh = moe.shared_experts
-        configs = moe_config_candidates(num_tokens)
+        configs = moe_config_candidates(num_tokens, fp8=moe.experts.quantized)
         if dev.type != "cuda" or not tune:
             configs = configs[:1]  # the default only (and the interpreter is slow)
         by_name = {f"config{i}": c for i, c in enumerate(configs)}
@@ -280,7 +297,7 @@ class FusedMoE:
             return
         moe, x = probe
         ids, w = self._probe_routing(moe, x)
-        for config in moe_config_candidates(num_tokens):
+        for config in moe_config_candidates(num_tokens, fp8=moe.experts.quantized):
             self.experts(moe, x, ids, w, config)
 
     def _probe_routing(self, moe: BlockSparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,8 +393,9 @@ def make_ops(producer: str, device: torch.device | str | None, dtype: torch.dtyp
         producer = "triton" if dev.type == "cuda" else "torch"
     if producer == "triton":
         tuner = KernelTuner(time_candidates=dev.type == "cuda", store=choice_store(dev))
-        return M3Ops("triton", norm_rope_write_triton, rmsnorm_triton, add_rmsnorm_triton, mlp_triton,
-                     FusedMoE(tuner, sim), tuner, sim, FusedLinear(tuner))
+        linear = FusedLinear(tuner)
+        return M3Ops("triton", norm_rope_write_triton, rmsnorm_triton, add_rmsnorm_triton,
+                     functools.partial(mlp_triton, linear=linear), FusedMoE(tuner, sim), tuner, sim, linear)
     if moe_impl == "auto":
         moe_impl = "grouped" if grouped_mm_supported(dev, dtype) else "loop"
     return M3Ops(f"torch+{moe_impl}", norm_rope_write_torch, gemma_rmsnorm, add_rmsnorm_torch, mlp_torch,

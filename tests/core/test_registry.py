@@ -90,3 +90,49 @@ def test_duplicate_and_unusable_sources_are_refused():
         reg.add("a", torch.zeros(1))
     with pytest.raises(ValueError, match="expected a tensor, module, mapping or callable"):
         reg.add("b", 42)
+
+
+def test_a_dropped_registry_frees_the_module_it_watched():
+    """The reassignment hooks are global torch hooks: they must not keep a dropped registry, and
+    through it the model, alive (a runner discarded without ``close()`` leaked its model). Its
+    hooks are retired, and removed at the next registry's ``add``; a registry collected while
+    torch iterates the hooks (a GC during a parameter registration) must not change them then
+    (a first version removed them at once: "OrderedDict mutated during iteration" on the H200)."""
+    import gc
+    import weakref
+
+    from torch.nn.modules import module as module_hooks
+
+    hooks = module_hooks._global_parameter_registration_hooks
+    StorageRegistry().add("warm", nn.Linear(2, 2))  # retire whatever earlier tests left
+    gc.collect()
+    StorageRegistry().add("warm", nn.Linear(2, 2))
+    gc.collect()
+    armed = []
+
+    def collect_garbage(*args: object) -> None:  # a hook's return value would replace the parameter
+        if armed:
+            gc.collect()
+
+    collect = module_hooks.register_module_parameter_registration_hook(collect_garbage)  # runs before ours
+    try:
+        m = nn.Linear(4, 4)
+        reg = StorageRegistry()
+        reg.add("model", m)
+        before = len(hooks)
+        m.weight = nn.Parameter(torch.zeros(4, 4))  # the hook still reports reassignment while alive
+        assert "reassigned" in (reg.changed() or "")
+        reg.cycle = reg  # only the cyclic collector frees it: inside the hook iteration below
+        gone = weakref.ref(m)
+        del m, reg
+        armed.append(True)
+        nn.Linear(3, 3)  # torch iterates the hooks; the collection runs before ours is reached
+    finally:
+        collect.remove()
+    before -= 1  # the collecting hook
+    assert gone() is None
+    assert len(hooks) == before  # retired, not yet removed
+    other = StorageRegistry()
+    other.add("next", nn.Linear(2, 2))
+    assert len(hooks) == before - 1 + 1  # the dead one removed, the new one added
+    other.close()

@@ -251,8 +251,14 @@ def test_kernels_compile_for_hopper():
         cases += moe_compile_cases(cfg)
     cases += moe_compile_cases(configs[0], even=False) + moe_compile_cases(configs[4], even=False)
     cases += moe_compile_cases(configs[0], fp8=True) + moe_compile_cases(configs[4], fp8=True)  # MXFP8 weights
+    fp8_decode = moe.moe_config_candidates(1, fp8=True)[len(moe.moe_config_candidates(1)):]
+    assert fp8_decode and moe.moe_config_candidates(1054, fp8=True) == moe.moe_config_candidates(1054)
+    for cfg in fp8_decode:  # the larger fp8 decode steps
+        cases += moe_compile_cases(cfg, fp8=True)
     reports = run_compile_reports(cases)  # asserts shared <= 227 KiB and no big spills
-    assert reports[-2]["wgmma"] and reports[-1]["wgmma"]  # prefill tiles on fp8 weights keep the tensor cores
+    n_fp8 = 2 * len(fp8_decode)
+    assert reports[-2 - n_fp8]["wgmma"] and reports[-1 - n_fp8]["wgmma"]  # prefill tiles on fp8 keep the tensor cores
+    assert all(r["cp_async"] for r in reports[-n_fp8:])  # every fp8 step streams through async copies
     for i, cfg in enumerate(configs):
         gu, dn = reports[4 + 2 * i], reports[5 + 2 * i]
         if cfg.block_m >= 64:  # one wgmma warpgroup needs 64 rows
@@ -360,7 +366,7 @@ def test_fp8_weights_equal_the_kernels_on_dequantized_weights(T, dims):
     pb = Problem(T, E=6, seed=40 + T, dtype=dtype, **dims)
     w8, scales, deq = quantized(pb)
     head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
-    for cfg in moe.moe_config_candidates(T) + (moe.moe_config_candidates(100) if T <= 64 else []):
+    for cfg in moe.moe_config_candidates(T, fp8=True) + (moe.moe_config_candidates(100) if T <= 64 else []):
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
         assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
     twin = moe.fused_moe_torch(*head, *w8, *tail, pb.poisoned_out(), scales=scales)
@@ -391,7 +397,7 @@ def test_cuda_fp8_real_shapes_match_dequantized_bf16(T):
     w8, scales, deq = quantized(pb)
     head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
     want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
-    for cfg in moe.moe_config_candidates(T):
+    for cfg in moe.moe_config_candidates(T, fp8=True):  # the larger fp8 decode steps too
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
         assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
         assert rel_err(out, want) < 1e-2, cfg

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.paged import DEV
 
 from graphcap.startup.tuning import KernelTuner
 from models.minimax_m3.config import MiniMaxM3Config
@@ -21,7 +22,6 @@ from models.minimax_m3.model import MiniMaxM3ForCausalLM
 from models.minimax_m3.mxfp8 import (
     BLOCK,
     FP8,
-    SCALE_SUFFIX,
     MXFP8Config,
     MXFP8Linear,
     dequantize_mxfp8,
@@ -306,11 +306,11 @@ def test_quantized_model_runs_the_fused_moe_on_fp8_experts():
     """The triton op table keeps the fused MoE for MXFP8 experts: the kernels read fp8 weights and
     their scales and equal the fused MoE on the dequantised weights bit for bit (the dot inputs
     are the same), and the torch MoE on them closely."""
-    q8_model = MiniMaxM3ForCausalLM(TINY8, producer="triton")
+    q8_model = MiniMaxM3ForCausalLM(TINY8, device=DEV, producer="triton")  # interpreter or GPU
     assert isinstance(q8_model.ops.moe, FusedMoE)
-    moe, ref = _moe_pair()
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(9))
-    n = torch.tensor([4])
+    moe, ref = (m.to(DEV) for m in _moe_pair())
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(9)).to(DEV)
+    n = torch.tensor([4], device=DEV)
     fused = FusedMoE(KernelTuner(time_candidates=False))
     ids, w = fused.route(moe, x, n)
     out = fused.experts(moe, x, ids, w)
@@ -319,7 +319,8 @@ def test_quantized_model_runs_the_fused_moe_on_fp8_experts():
     q8_model.init_random_(0, balance_routing=False)
     q8_model.ops.moe.choose(q8_model, 5)  # validates the fp8 candidate against the dequantised reference
     choice = q8_model.ops.tuner.choices[("moe", 5)]
-    assert choice.chosen == "config0" and choice.rejected == {}
+    assert choice.rejected == {}  # every fp8 candidate passed (the GPU times them; CPU keeps config0)
+    assert choice.chosen == "config0" or DEV == "cuda"
 
 
 def test_triton_mlp_goes_through_the_quantized_modules():
@@ -329,26 +330,12 @@ def test_triton_mlp_goes_through_the_quantized_modules():
         q, s = quantize_mxfp8(torch.randn(lin.weight.shape, generator=g) * 0.1)
         lin.weight.copy_(q)
         lin.weight_scale_inv.copy_(s)
-    x = torch.randn(4, 64, generator=g)
+    mlp.to(DEV)
+    x = torch.randn(4, 64, generator=g).to(DEV)
     torch.testing.assert_close(mlp_triton(mlp, x), mlp(x), rtol=1e-5, atol=1e-5)
 
 
 # ---- GPU: the real kernels on MXFP8 weights --------------------------------------------------
-
-def _bf16_twin(runner):
-    """A bf16 runner whose model holds ``runner``'s MXFP8 weights dequantised (the same values)."""
-    from models.minimax_m3 import build_from_preset
-
-    q = runner.model
-    twin = build_from_preset(q.config.with_quantization(None), "cuda", torch.bfloat16, max_tokens=runner.max_tokens,
-                             max_seqs=runner.max_seqs, max_seq_len=runner.max_seq_len, balance_routing=False)
-    params = dict(q.named_parameters())
-    with torch.no_grad():
-        for name, p in twin.model.named_parameters():
-            src = params[name]
-            p.copy_(dequantize_mxfp8(src, params[name + SCALE_SUFFIX], p.dtype) if src.dtype == FP8 else src)
-    return twin
-
 
 @pytest.mark.cuda
 def test_cuda_mxfp8_replays_equal_padded_eager_and_track_bf16():
@@ -357,6 +344,7 @@ def test_cuda_mxfp8_replays_equal_padded_eager_and_track_bf16():
     the dequantised weights, and greedy decoding agrees with it."""
     from graphcap import CaptureConfig
     from models.minimax_m3 import build_from_preset
+    from models.minimax_m3.build import build_dequantized_twin
     from steps import TokenChunk
 
     config = MiniMaxM3Config.rank_of_8().first_layers(4).with_quantization("mxfp8")
@@ -364,7 +352,7 @@ def test_cuda_mxfp8_replays_equal_padded_eager_and_track_bf16():
     graphed = build_from_preset(config, "cuda", torch.bfloat16, max_tokens=64, max_seqs=8, max_seq_len=160,
                                 capture=capture)
     padded = graphed.with_capture(dataclasses.replace(capture, debug_eager=True))
-    twin = _bf16_twin(graphed)
+    twin = build_dequantized_twin(graphed)
     graphed.capture()
     assert graphed.validate() == {}
     gen = torch.Generator().manual_seed(0)
@@ -395,7 +383,7 @@ def test_fused_linear_validates_the_fp8_kernel_and_runs_it_where_chosen():
     """The fused op table's linear: the tuner validates the fp8 kernel (interpreter here) against
     the module's dequantise + F.linear; at a row count where the kernel won it runs it, elsewhere
     (and for bf16 modules) the module."""
-    model = MiniMaxM3ForCausalLM(TINY8, producer="triton")
+    model = MiniMaxM3ForCausalLM(TINY8, device=DEV, producer="triton")
     model.init_random_(0, balance_routing=False)
     lin = model.ops.linear
     assert isinstance(lin, FusedLinear)
@@ -404,10 +392,12 @@ def test_fused_linear_validates_the_fp8_kernel_and_runs_it_where_chosen():
     choices = [model.ops.tuner.choices[(FusedLinear.OP, (n, k, 5))] for n, k in shapes]
     assert choices and all(c.rejected == {} for c in choices)  # the kernel passed validation
     attn = model.model.layers[1].self_attn
-    x = torch.randn(5, TINY8.hidden_size, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(5, TINY8.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEV)
     key = (attn.qkv_proj.out_features, attn.qkv_proj.in_features, 5)
-    lin._kernel_rows.add(key)  # as if the kernel had won the timing (CPU does not time)
+    from models.minimax_m3.kernels.fp8_linear import default_linear_config
+
+    lin._kernel_rows[key] = default_linear_config(5, *key[:2])  # as if the kernel had won (CPU does not time)
     torch.testing.assert_close(lin(attn.qkv_proj, x), attn.qkv_proj(x), rtol=1e-5, atol=1e-5)
     assert torch.equal(lin(attn.qkv_proj, x[:4]), attn.qkv_proj(x[:4]))  # 4 rows: not chosen, the module
-    plain = torch.nn.Linear(8, 4)
-    assert torch.equal(lin(plain, torch.ones(2, 8)), plain(torch.ones(2, 8)))
+    plain = torch.nn.Linear(8, 4).to(DEV)
+    assert torch.equal(lin(plain, torch.ones(2, 8, device=DEV)), plain(torch.ones(2, 8, device=DEV)))

@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from helpers.paged import DEV
 from helpers.triton_compile import run_compile_reports
 
-from models.minimax_m3.kernels.fp8_linear import LinearConfig, default_linear_config, mxfp8_linear
+from models.minimax_m3.kernels.fp8_linear import (
+    LinearConfig,
+    default_linear_config,
+    dequantize_mxfp8_triton,
+    dequantized_linear,
+    linear_config_candidates,
+    mxfp8_linear,
+)
 from models.minimax_m3.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
 
@@ -62,17 +69,41 @@ REAL = [(1536, 6144), (6144, 1024), (3072, 6144), (6144, 1536)]
 
 
 def test_kernels_compile_for_hopper():
-    cases = []
+    cases, prefill = [], []
     for t in (1, 1054):
         for n, k in REAL[:2]:
-            cfg = default_linear_config(t, n, k)
-            c = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN": True,
-                 "DOT_F32": False}
-            ptrs = {"w_ptr": "fp8e4nv", "s_ptr": "u8", "out_ptr": "fp32" if cfg.split_k > 1 else "bf16"}
-            cases.append(["models.minimax_m3.kernels.fp8_linear", "_mxfp8_linear_kernel", c, ptrs, [],
-                          cfg.num_warps, cfg.num_stages])
+            for cfg in linear_config_candidates(t, n, k):
+                c = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN": True,
+                     "DOT_F32": False}
+                ptrs = {"w_ptr": "fp8e4nv", "s_ptr": "u8", "out_ptr": "fp32" if cfg.split_k > 1 else "bf16"}
+                prefill.append(t > 64)
+                cases.append(["models.minimax_m3.kernels.fp8_linear", "_mxfp8_linear_kernel", c, ptrs, [],
+                              cfg.num_warps, cfg.num_stages])
     reports = run_compile_reports(cases)  # shared memory and spills checked there
-    assert reports[-1]["wgmma"]  # prefill tiles use the tensor cores' warpgroup MMA
+    assert all(r["wgmma"] for r, p in zip(reports, prefill) if p)  # prefill tiles use warpgroup MMA
+    # Every K loop streams its tiles through asynchronous copies. A first version lost this at
+    # decode (the split's K offset had no known alignment, so the loads went one byte at a time,
+    # synchronously) and ran slower than bf16 on the H200.
+    assert all(r["cp_async"] for r in reports), reports
+
+
+def test_triton_dequantize_is_exact_and_feeds_f_linear():
+    x, q, s, ref = problem(70, 48, 128, torch.float32, seed=4)
+    w = dequantize_mxfp8_triton(q, s, torch.float32)
+    assert torch.equal(w, dequantize_mxfp8(q, s, torch.float32))
+    torch.testing.assert_close(dequantized_linear(x, q, s), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(dequantize_mxfp8_triton(q, s, torch.bfloat16), dequantize_mxfp8(q, s, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"scale_inv must be contiguous uint8 \[N=48, K/32=4\]"):
+        dequantize_mxfp8_triton(q, s[:, :2], torch.float32)
+
+
+@pytest.mark.parametrize("t", [1, 8, 100])
+def test_every_candidate_matches_f_linear(t):
+    n, k = 96, 1024
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    x, q, s, ref = problem(t, n, k, dtype, seed=t + 1)
+    for cfg in linear_config_candidates(t, n, k):
+        assert rel_err(mxfp8_linear(x, q, s, config=cfg), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
 
 
 @pytest.mark.cuda
@@ -80,6 +111,9 @@ def test_kernels_compile_for_hopper():
 def test_cuda_real_shapes_and_graph_replay(t):
     for n, k in REAL:
         x, q, s, ref = problem(t, n, k, torch.bfloat16, seed=n + t)
+        for cfg in linear_config_candidates(t, n, k):
+            assert rel_err(mxfp8_linear(x, q, s, config=cfg), ref) < 1e-2, (n, k, cfg)
+        assert rel_err(dequantized_linear(x, q, s), ref) < 1e-2, (n, k)
         out = mxfp8_linear(x, q, s)
         assert rel_err(out, ref) < 1e-2, (n, k)
         graph = torch.cuda.CUDAGraph()

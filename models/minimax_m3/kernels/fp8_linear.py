@@ -10,6 +10,10 @@ and broadcast), ``tl.dot`` with fp32 accumulation. At decode (a few rows) the we
 whole cost and ``N / BLOCK_N`` programs are too few to keep HBM busy, so K is split over
 ``split_k`` programs that write fp32 partial sums; a second kernel adds them in split order and
 casts (no atomics: a graph replay equals an eager run bit for bit).
+
+At prefill sizes the weight tile is dequantised once per M-tile, which costs more than the bytes
+saved; ``dequantized_linear`` is the other candidate there: one elementwise kernel writes the
+bf16 weight (fp8 + scales in, bf16 out), then ``F.linear`` (cuBLAS).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -48,19 +53,34 @@ class LinearConfig:
                              f"got {self.block_k}")
 
 
-_DECODE_MAX_TOKENS = 64
+DECODE_MAX_TOKENS = 64  # above: prefill tiles, and dequantising first is a candidate
 _PROGRAMS_WANTED = 264  # two waves of the H200's 132 SMs
 
 
 def default_linear_config(num_tokens: int, n: int, k: int) -> LinearConfig:
     """Decode: 16-row tiles and K split until about two programs per SM; prefill: 64-row tiles
     (one wgmma warpgroup), no split."""
-    if num_tokens > _DECODE_MAX_TOKENS:
+    if num_tokens > DECODE_MAX_TOKENS:
         return LinearConfig(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=4)
     cfg = LinearConfig()
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(num_tokens, cfg.block_m)
     split = max(1, min(k // cfg.block_k, _PROGRAMS_WANTED // max(tiles, 1)))
     return LinearConfig(split_k=split)
+
+
+def linear_config_candidates(num_tokens: int, n: int, k: int) -> list[LinearConfig]:
+    """The default first, then larger steps per program: an fp8 tile holds half the bytes of
+    the bf16 one of the same shape, and at decode each step's dequantise and layout shuffles
+    sit in every program's serial chain, so fewer, fuller steps may keep HBM busier."""
+    base = default_linear_config(num_tokens, n, k)
+    if num_tokens > DECODE_MAX_TOKENS:
+        return [base, LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)]
+    out = [base]
+    for block_n, block_k, warps in ((64, 512, 8), (128, 256, 8), (32, 512, 4)):
+        tiles = triton.cdiv(n, block_n) * triton.cdiv(num_tokens, 16)
+        split = max(1, min(k // block_k, _PROGRAMS_WANTED // max(tiles, 1)))
+        out.append(LinearConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=warps, num_stages=3))
+    return out
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -76,18 +96,20 @@ def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_
     r_ok, c_ok = rows < T, cols < N
     c_ld = cols % N  # a partial last tile re-reads valid rows (discarded) instead of masking
     offs_k = tl.arange(0, BLOCK_K)
-    k_lo = split * k_per_split
-    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_base = w_ptr + c_ld.to(tl.int64)[None, :] * stride_w + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    s_base = s_ptr + c_ld.to(tl.int64)[None, :] * stride_s
+    # k_per_split is whole BLOCK_K steps: telling the compiler keeps the loads aligned, so they
+    # stream through asynchronous copies (without it they went one byte at a time, synchronously)
+    k_lo = tl.multiple_of(split * k_per_split, BLOCK_K)
+    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_x + k_lo + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_base = w_ptr + c_ld.to(tl.int64)[None, :] * stride_w + k_lo + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    s_base = s_ptr + c_ld.to(tl.int64)[None, :] * stride_s + k_lo // 32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+    for k0 in range(0, k_per_split, BLOCK_K):
         if EVEN:
             xa = tl.load(x_base + k0, mask=r_ok[:, None], other=0.0)
             w = tl.load(w_base + k0)
             sc = block_scales(s_base, k0, BLOCK_K, BLOCK_N)
         else:
-            k_ok = offs_k + k0 < K
+            k_ok = offs_k + k0 + k_lo < K
             xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
             sc = tl.load(s_base + ((k0 + offs_k) // 32)[:, None], mask=k_ok[:, None], other=127)
@@ -157,4 +179,38 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
     return out
 
 
-__all__ = ["LinearConfig", "default_linear_config", "mxfp8_linear"]
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, numel, K, BLOCK: tl.constexpr):
+    """out[i] = dequant(w[i], s[i // K, (i % K) // 32]) over the flat ``[N, K]`` weight."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    q = tl.load(w_ptr + i, mask=ok, other=0.0)
+    sc = tl.load(s_ptr + (i // K) * (K // 32) + (i % K) // 32, mask=ok, other=127)
+    tl.store(out_ptr + i, dequant_fp8(q, sc).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_mxfp8_triton(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """``mxfp8.dequantize_mxfp8`` in one launch: contiguous fp8 ``[N, K]`` and uint8 ``[N, K/32]``
+    -> ``[N, K]`` in ``dtype`` (exact: the same power-of-two products)."""
+    check_device("dequantize_mxfp8_triton", weight, scale_inv)
+    n, k = weight.shape
+    if weight.dtype != FP8 or not weight.is_contiguous() or k % MX_BLOCK:
+        raise ValueError(f"weight must be contiguous fp8 e4m3 [N, K] with K a multiple of {MX_BLOCK}, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if scale_inv.dtype != torch.uint8 or tuple(scale_inv.shape) != (n, k // MX_BLOCK) or not scale_inv.is_contiguous():
+        raise ValueError(f"scale_inv must be contiguous uint8 [N={n}, K/32={k // MX_BLOCK}], got {scale_inv.dtype} "
+                         f"{tuple(scale_inv.shape)}")
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block = 4096
+    _dequantize_kernel[(triton.cdiv(n * k, block),)](weight, scale_inv, out, n * k, k, BLOCK=block, num_warps=8)
+    return out
+
+
+def dequantized_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """``F.linear(x, dequantize_mxfp8_triton(weight, scale_inv, x.dtype))``: the prefill candidate
+    (the bf16 weight lives only for this call)."""
+    return F.linear(x, dequantize_mxfp8_triton(weight, scale_inv, x.dtype))
+
+
+__all__ = ["LinearConfig", "default_linear_config", "dequantize_mxfp8_triton", "dequantized_linear", "mxfp8_linear",
+           "linear_config_candidates"]

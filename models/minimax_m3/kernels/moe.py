@@ -126,9 +126,32 @@ def default_moe_config(num_tokens: int) -> MoEConfig:
     return _DECODE if num_tokens <= _DECODE_MAX_TOKENS else _PREFILL
 
 
-def moe_config_candidates(num_tokens: int) -> list[MoEConfig]:
+# MXFP8 decode: an fp8 tile of a bf16 config's shape holds half its bytes, and each K step's
+# dequantise and layout shuffles sit in every program's serial chain (at decode 1 the bf16
+# shapes reached 0.8 TB/s on fp8 weights, against 2.3 TB/s on bf16 ones, H200). These take
+# twice the N per step, with 8 warps to share the dequantising. (A K step of 512 spills at 16
+# rows; the down step stays 128 wide so the shared expert's Is = 384 at TP8 keeps it even.)
+_FP8_DECODE = [
+    MoEConfig(gu_block_n=64, gu_block_n_shared=32, gu_block_k=256, gu_num_warps=8, gu_num_stages=3,
+              down_block_h=128, down_block_k=128, down_num_warps=8, down_num_stages=3),
+    MoEConfig(gu_block_n=32, gu_block_n_shared=16, gu_block_k=256, gu_num_warps=8, gu_num_stages=4,
+              down_block_h=64, down_block_k=128, down_num_warps=8, down_num_stages=4),
+    MoEConfig(gu_block_n=128, gu_block_n_shared=32, gu_block_k=128, gu_num_warps=8, gu_num_stages=4,
+              down_block_h=256, down_block_k=128, down_num_warps=8, down_num_stages=3),
+    MoEConfig(gu_block_n=64, gu_block_n_shared=32, gu_block_k=256, gu_num_warps=8, gu_num_stages=4,
+              down_block_h=128, down_block_k=128, down_num_warps=4, down_num_stages=4),
+]
+
+
+def moe_config_candidates(num_tokens: int, fp8: bool = False) -> list[MoEConfig]:
     """A few valid configs for ``num_tokens`` rows, the default first (for warm-up checks and
-    timing on the GPU). All of them fit Hopper's shared memory at the M3 shapes."""
+    timing on the GPU). All of them fit Hopper's shared memory at the M3 shapes. ``fp8``
+    (MXFP8 weights): at decode, also the larger steps of ``_FP8_DECODE``, after them."""
+    base = _bf16_candidates(num_tokens)
+    return base + _FP8_DECODE if fp8 and num_tokens <= _DECODE_MAX_TOKENS else base
+
+
+def _bf16_candidates(num_tokens: int) -> list[MoEConfig]:
     if num_tokens <= _DECODE_MAX_TOKENS:
         return [
             _DECODE,
@@ -551,7 +574,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
 
     bn, bns, bk = cfg.gu_block_n, cfg.gu_block_n_shared, cfg.gu_block_k
-    esz = x.element_size()
+    esz, wsz = x.element_size(), w13.element_size()  # activation and weight bytes (fp8: 1)
     # Without scales the scale pointers are never read (W_FP8=False): the weights stand in.
     s13, s2, ssgu, ssd = scales if scales is not None else (w13, w2, shared_gate_up, shared_down)
     _moe_gate_up_kernel[(E + 1, max(triton.cdiv(I, bn), triton.cdiv(Is, bns)), cfg.m_split)](
@@ -565,7 +588,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_N_SHARED=bns, BLOCK_K=bk, EVEN_K=H % bk == 0,
         DOT_F32=dot_f32, W_FP8=scales is not None,
         num_warps=cfg.gu_num_warps,
-        num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m + 2 * max(bn, bns)) * bk * esz),
+        num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m * esz + 2 * max(bn, bns) * wsz) * bk),
     )
     bh, bkd = cfg.down_block_h, cfg.down_block_k
     _moe_down_kernel[(E + 1, triton.cdiv(H, bh), cfg.m_split)](
@@ -578,7 +601,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         T, H, I, Is,
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_H=bh, BLOCK_K=bkd, EVEN_K=(I % bkd == 0 and Is % bkd == 0),
         DOT_F32=dot_f32, W_FP8=scales is not None, num_warps=cfg.down_num_warps,
-        num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m + bh) * bkd * esz),
+        num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m * esz + bh * wsz) * bkd),
     )
     cb = min(cfg.combine_block, max(16, next_pow2(H)))
     _moe_combine_kernel[(T, triton.cdiv(H, cb))](y, y.stride(0), pair_pos, out, out.stride(0), T, H, K=K, BLOCK=cb,
