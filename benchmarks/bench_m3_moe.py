@@ -188,7 +188,9 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
     ref = reference_fp32(x, ids, w, *sets[0])
     rows: list[Row] = []
 
-    def run(path: str, cfg_name: str, make: Callable[[int, torch.Tensor], Callable[[], None]]) -> None:
+    def run(path: str, cfg_name: str, make: Callable[[int, torch.Tensor], Callable[[], None]],
+            want: torch.Tensor = ref, nbytes: float = nbytes) -> None:
+        """Check ``make``'s first call against ``want``, time the calls, one row (floor: ``nbytes``)."""
         if time.perf_counter() > deadline:
             rows.append(Row(T, path, cfg_name, None, nbytes, n_exp, None, note="skipped: time budget").finish())
             return
@@ -196,7 +198,7 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
         try:
             calls = [make(i, outs[i]) for i in range(len(sets))]
             calls[0]()
-            err = rel_err(outs[0], ref)
+            err = rel_err(outs[0], want)
             us = time_calls(calls, args.smoke, args.reps)
             rows.append(Row(T, path, cfg_name, us, nbytes, n_exp, err).finish())
         except Exception as exc:  # noqa: BLE001  (a failing path, e.g. torch.compile, is reported, not fatal)
@@ -208,17 +210,14 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
 
         run("fused_moe", f"cand{ci}" + (" (default)" if ci == 0 else ""), make)
     if wts.fp8:
-        ref_bf16 = ref
-        ref = reference_fp32(x, ids, w, *wts.fp8[0][2])  # the dequantised weights
-        nbytes_bf16, nbytes = nbytes, float((n_exp * 3 * inter * H + 3 * Is * H) * 33 / 32 + 2 * T * H * 2
-                                            + T * d.top_k * 8)
+        ref8 = reference_fp32(x, ids, w, *wts.fp8[0][2])  # the dequantised weights
+        nbytes8 = float((n_exp * 3 * inter * H + 3 * Is * H) * 33 / 32 + 2 * T * H * 2 + T * d.top_k * 8)
         for ci, cfg in enumerate(moe_config_candidates(T, fp8=True)):
             def make8(i: int, out: torch.Tensor, cfg=cfg) -> Callable[[], None]:
                 q, sc, _ = wts.fp8[i]
                 return lambda: fused_moe(x, ids, w, *q, ALPHA, LIMIT, out, config=cfg, scales=sc)
 
-            run("fused_moe mxfp8", f"cand{ci}" + (" (default)" if ci == 0 else ""), make8)
-        ref, nbytes = ref_bf16, nbytes_bf16
+            run("fused_moe mxfp8", f"cand{ci}" + (" (default)" if ci == 0 else ""), make8, ref8, nbytes8)
 
     def make_torch(fn: Callable) -> Callable[[int, torch.Tensor], Callable[[], None]]:
         return lambda i, out: (lambda: out.copy_(fn(x, gids, gw, *sets[i])))

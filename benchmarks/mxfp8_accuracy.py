@@ -53,12 +53,11 @@ def main() -> None:
     n, plen = args.requests, args.prompt_len
     q8 = build_from_preset(config, args.device, dtype, max_tokens=max(n * plen, 64), max_seqs=n,
                            max_seq_len=plen + args.steps + 8)
-    for rows in sorted({n, n * plen}):
-        q8.model.ops.choose_kernels(q8.model, rows)
     twin = build_dequantized_twin(q8)
-    for rows in sorted({n, n * plen}):
-        twin.model.ops.choose_kernels(twin.model, rows)
     floor = build_dequantized_twin(q8, producer="torch")  # the noise floor: other kernels, same maths
+    for r in (q8, twin, floor):  # kernel choices for the two row counts the script runs
+        for rows in sorted({n, n * plen}):
+            r.model.ops.choose_kernels(r.model, rows)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (plen,), generator=gen).tolist() for _ in range(n)]
     for r in (q8, twin, floor):

@@ -334,6 +334,7 @@ def main() -> None:
         console.print(spread.describe())
     runs = [(mode, n) for mode in modes for n in (audits if mode != "none" else [0])]
     results = []
+    against_first = []  # (a later format's result, the first format's of the same run)
     for wi, weights in enumerate(formats):
         if wi:  # one model in memory at a time: the next format is built after the last is freed
             base.destroy()
@@ -353,16 +354,15 @@ def main() -> None:
             if len(formats) > 1:
                 r["weights"] = weights
                 r["mode"] = f"{r['mode']} {weights}"
+            if wi:
+                against_first.append((r, results[i]))
             console.print(f"{r['mode']}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 "
                           f"{r['ttft_s_p50']:.3f} s, {r['steps']} steps in {r['wall_s']:.1f} s")
     console.print(table(results))
-    for r in results:  # each format against the first, mode by mode
-        first = next(f for f in results if f.get("weights") == formats[0] and f["mode"].split()[0] ==
-                     r["mode"].split()[0]) if r.get("weights", formats[0]) != formats[0] else None
-        if first is not None:
-            console.print(f"{r['mode']} vs {first['mode']}: per-user tok/s "
-                          f"{r['per_user_tok_s_mean'] / first['per_user_tok_s_mean']:.2f}x, total tok/s "
-                          f"{r['total_tok_s'] / first['total_tok_s']:.2f}x")
+    for r, first in against_first:
+        console.print(f"{r['mode']} vs {first['mode']}: per-user tok/s "
+                      f"{r['per_user_tok_s_mean'] / first['per_user_tok_s_mean']:.2f}x, total tok/s "
+                      f"{r['total_tok_s'] / first['total_tok_s']:.2f}x")
     base.destroy()
     if group:
         group.destroy()
