@@ -7,6 +7,7 @@ works on the cache's device and records why it skipped the others (``AutoChoice.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -17,13 +18,21 @@ from .base import AttentionBackend
 from .dims import AttentionDims
 
 
-def _flashinfer_split(cache: PagedKVCache, dims: AttentionDims) -> AttentionBackend:
+def _flashinfer_split(cache: PagedKVCache, dims: AttentionDims,
+                      prefill_attention: str = "per_token") -> AttentionBackend:
     """flashinfer for the dense layers, Triton for the sparse ones."""
     from .backends.flashinfer import FlashinferAttention
     from .backends.split import LayerSplit
     from .backends.triton import TritonAttention
 
-    return LayerSplit(dense=FlashinferAttention(cache, dims), sparse=TritonAttention(cache, dims))
+    return LayerSplit(dense=FlashinferAttention(cache, dims),
+                      sparse=TritonAttention(cache, dims, prefill_attention=prefill_attention))
+
+
+def _triton_tiles(cache: PagedKVCache, dims: AttentionDims) -> AttentionBackend:
+    from .backends.triton import TritonAttention
+
+    return TritonAttention(cache, dims, prefill_attention="tiles")
 
 
 # kind -> "module:Class" or a builder ``(cache, dims) -> backend``. The registration point.
@@ -31,6 +40,10 @@ BACKENDS: dict[str, str | Callable[[PagedKVCache, AttentionDims], AttentionBacke
     "torch": "attention.backends.torch:TorchAttention",
     "triton": "attention.backends.triton:TritonAttention",
     "flashinfer": _flashinfer_split,
+    # prefill sparse attention in token tiles (TritonAttention's module docstring: faster when
+    # neighbouring tokens select the same blocks, slower when they do not)
+    "triton_tiles": _triton_tiles,
+    "flashinfer_tiles": functools.partial(_flashinfer_split, prefill_attention="tiles"),
 }
 # What "auto" tries on a CUDA cache, in order; "torch" otherwise.
 AUTO_ORDER: tuple[str, ...] = ("flashinfer", "triton")

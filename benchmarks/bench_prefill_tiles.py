@@ -14,9 +14,10 @@ eager launches, so host launch gaps count) and the same ops replayed as one CUDA
   ``BLOCK_T = 1``, two launches);
 - sweeps: other tile sizes (``bt=``), the indexer's chunk, and for the attention ``1 launch``
   (every tile, one-token ones included, through the multi-token program).
-The attention runs on two selections: the indexer's on random data (neighbouring tokens
-pick unrelated blocks: the worst case for tiles) and ``shared8`` (runs of 8 prefill tokens
-share one selection where visibility allows, as locality in real text would).
+The attention runs on four selections: the indexer's on random data (neighbouring tokens
+pick unrelated blocks: the worst case for tiles) and ``shared8/32/128`` (runs of 8, 32 or 128
+prefill tokens share the run's first token's selection where it sees the same local block,
+as locality in real text would; runs that straddle a key block keep part of their own).
 Each tiled result is checked once against the untiled one (selection mismatch rate,
 attention relative error), and the host cost of planning the tiles is timed.
 
@@ -143,23 +144,28 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
         rows.append(Row("index_topk", variant, timer(fn), timer.graph(fn), launches, f"rows differing {diff:.1e}"))
 
     idx_row("untiled bt=1", lambda: indexer.index_topk_prefill(st.iq, st.ik, meta, d.topk, st.sel, block_t=1), 2)
-    bt_idx = indexer.default_block_t(d.num_kv_heads)
+    bt_small = indexer.default_block_t(d.num_kv_heads)
+    idx_row(f"untiled bt={bt_small} (fixed grid)",
+            lambda: indexer.index_topk_prefill(st.iq, st.ik, meta, d.topk, st.sel, block_t=bt_small), 2)
+    bt_idx = indexer.tile_block_t(d.num_kv_heads)
     t_idx = tiles(bt_idx)
-    idx_row(f"tiled (bt={bt_idx}, auto chunk)",
-            lambda: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx), 2)
-    for bt, chunk in ((bt_idx, 64), (8, None), (32, None), (64, None)):
-        if over_budget():
-            break
+    idx_row(f"tiled (bt={bt_idx}, chunk {indexer.TILED_CHUNK}, default)",
+            lambda: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx), 3)
+    sweeps = ((bt_idx, 4), (bt_idx, 2), (bt_idx, 8), (bt_idx, 32), (bt_idx // 2, None), (bt_idx // 8, None),
+              (bt_idx * 2, None))
+    for bt, chunk in sweeps:
+        if over_budget() or bt < 1:
+            continue
         tt = tiles(bt)
-        idx_row(f"tiled bt={bt} chunk={chunk or 'auto'}",
+        idx_row(f"tiled bt={bt} chunk={chunk or indexer.TILED_CHUNK}",
                 lambda tt=tt, chunk=chunk: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, tt,
-                                                                            chunk), 2)
+                                                                            chunk), 3)
     indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx)
-    shared = st.shared_selection(8, d.block)
+    patterns = [(st.sel, "indexer")] + [(st.shared_selection(r, d.block), f"shared{r}") for r in (8, 32, 128)]
 
     # ---- sparse attention
     bt_att = sparse.default_block_t(d.num_qo_heads // d.num_kv_heads)
-    for sel, tag in ((st.sel, "indexer"), (shared, "shared8")):
+    for sel, tag in patterns if not a.indexer_only else []:
         ref_out = torch.empty_like(st.out)
         sparse.sparse_attention_prefill(st.q, st.k, st.v, sel, meta, ref_out, st.scale, block_t=1)
 
@@ -172,7 +178,7 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
         att_row("untiled bt=1", lambda sel=sel: sparse.sparse_attention_prefill(st.q, st.k, st.v, sel, meta, st.out,
                                                                                 st.scale, block_t=1), 1)
         for bt in (bt_att, bt_att // 2, bt_att * 2):
-            if bt < 1 or (bt != bt_att and over_budget()):
+            if bt < 2 or (bt != bt_att and over_budget()):
                 continue
             tt = tiles(bt)
             label = f"tiled bt={bt}" + (" (default)" if bt == bt_att else "")
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-start", type=int, default=2000)
     ap.add_argument("--warmup-ms", type=int, default=10)
     ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--indexer-only", action="store_true", help="skip the attention rows")
     ap.add_argument("--budget-s", type=float, default=25.0, help="skip the remaining sweeps after this long")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, host timing: checks the script runs")
     a = ap.parse_args(argv)

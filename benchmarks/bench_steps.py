@@ -52,7 +52,14 @@ def main() -> None:
     p.add_argument("--routing", default="model", help="model | uniform | balanced")
     p.add_argument("--concentrated", action="store_true", help="uncalibrated random router (earlier figures)")
     p.add_argument("--decode", default="1,8,32", help="decode batch sizes")
+    p.add_argument("--mixed-decodes", type=int, default=30, help="decode requests beside the mixed step's chunk")
+    p.add_argument("--chunk", type=int, default=1024, help="prompt tokens of the mixed step's chunk")
+    p.add_argument("--requests", type=int, default=32,
+                   help="requests holding --context (at least the largest decode batch); fewer at long context")
     p.add_argument("--quantization", default=None, help="mxfp8: fp8 weights with E8M0 scales (random, quantized)")
+    p.add_argument("--backend", default="auto",
+                   help="attention backend kind (attention.registry), e.g. flashinfer_tiles")
+    p.add_argument("--kv-dtype", default=None, help="KV and index-K cache dtype: bf16 (default) or fp8")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     config = MiniMaxM3Config.preset(args.preset)
@@ -60,16 +67,20 @@ def main() -> None:
         config = config.with_quantization(args.quantization)
     if args.layers:
         config = config.first_layers(args.layers)
-    sizes = sorted({32, *(int(n) for n in args.decode.split(","))})
-    n_req, max_tokens = max(32, *sizes), 1054
+    sizes = sorted({int(n) for n in args.decode.split(",")})
+    # every decode batch and the mixed step's decodes hold --context; the chunk is one more request
+    n_req = max(args.requests, *sizes, args.mixed_decodes + 1)
+    max_tokens = max(1054, args.mixed_decodes + args.chunk)
     page = config.sparse_block_size
     pages = n_req * -(-(args.context + 1) // page) + -(-max_tokens // page) + 2 + 3 * 32
     routing = {}
+    if args.kv_dtype:  # an older checkout has no kv_dtype
+        routing["kv_dtype"] = args.kv_dtype
     if args.routing != "model" or args.concentrated:  # an older checkout has neither argument
-        routing = dict(routing=args.routing, balance_routing=not args.concentrated)
+        routing.update(routing=args.routing, balance_routing=not args.concentrated)
     t0 = time.perf_counter()
-    runner = build_from_preset(config, "cuda", torch.bfloat16, backend="auto", max_tokens=max_tokens, max_seqs=n_req,
-                               max_seq_len=args.context + max_tokens + 8, num_pages=pages,
+    runner = build_from_preset(config, "cuda", torch.bfloat16, backend=args.backend, max_tokens=max_tokens,
+                               max_seqs=n_req, max_seq_len=args.context + max_tokens + 8, num_pages=pages,
                                capture=CaptureConfig(enabled=True, max_tokens=max_tokens), **routing)
     build_s = time.perf_counter() - t0
     weights_gib = sum(t.numel() * t.element_size() for t in runner.model.parameters()) / 2**30
@@ -79,7 +90,7 @@ def main() -> None:
     if "balance_routing" in inspect.signature(build_from_preset).parameters:
         from models.minimax_m3.routing import measure_routing_spread
 
-        spread = measure_routing_spread(runner, batch=32)
+        spread = measure_routing_spread(runner, batch=min(32, n_req))
         print(f"{args.label:>8} {spread.describe()}", flush=True)
     t0 = time.perf_counter()
     runner.capture()
@@ -90,7 +101,11 @@ def main() -> None:
     # states the router sees) differ per request, as over real prompts; zeroed pages would make
     # every decode token alike and route a batch to fewer experts.
     for t in (runner.cache.k_cache, runner.cache.v_cache, runner.cache.index_k_cache):
-        t.normal_()
+        if t.dtype.itemsize == 1:  # fp8 e4m3 (no normal_ kernel): bf16 draws, cast a layer at a time
+            for layer in t:
+                layer.copy_(torch.randn(layer.shape, dtype=torch.bfloat16, device=layer.device))
+        else:
+            t.normal_()
     for i in range(n_req):
         runner.add_request(i)
         runner.cache.reserve(i, args.context)
@@ -99,14 +114,14 @@ def main() -> None:
     def decode(n: int) -> list:
         return [TokenChunk(i, args.context, [int(torch.randint(0, vocab, (1,), generator=gen))]) for i in range(n)]
 
-    chunk = max_tokens - 30
+    chunk, md = args.chunk, args.mixed_decodes
     steps = {f"decode {n}": decode(n) for n in sizes}
-    steps[f"mixed 30+{chunk}"] = decode(30) + [
+    steps[f"mixed {md}+{chunk}"] = decode(md) + [
         TokenChunk(n_req - 1, args.context, torch.randint(0, vocab, (chunk,), generator=gen).tolist())]
     layers = config.num_hidden_layers
     moe_layers = sum(config.is_moe(i) for i in range(layers))
     step_spread = None
-    if spread is not None:  # the spread of the measured decode step itself, on its real context
+    if spread is not None and 32 in sizes:  # the spread of the measured decode step itself, on its real context
         step_spread = measure_routing_spread(runner, step=steps["decode 32"])
         print(f"{args.label:>8} this benchmark's decode 32: {step_spread.describe()}", flush=True)
     rows = {}
@@ -117,15 +132,30 @@ def main() -> None:
             runner.rewind_request(ch.seq_id, ch.start_pos)
         moe_us = sum(us for k, us in cov.graph_us_by_name.items() if "_moe_" in k)
         moe_us += sum(us for site in cov.eager_us_by_site.values() for k, us in site.items() if "_moe_" in k)
-        rows[name] = dict(wall_ms=round(ms, 3), gpu_busy_us=round(cov.busy_us, 1),
+        # GPU us per step of each eager splice site (sparse attention: indexer + top-k + attention)
+        sites = {site: round(sum(c.values()), 1) for site, c in cov.eager_us_by_site.items()}
+        # the sparse layers' Triton kernels (indexer partial + merge, attention + split merge),
+        # in graphs or eager: the figure fp8 and bf16 caches are compared by
+        n_sparse = sum(config.is_sparse(i) for i in range(layers))
+        sparse_us = sum(us for k, us in cov.graph_us_by_name.items() if _is_sparse_kernel(k))
+        sparse_us += sum(us for site in cov.eager_us_by_site.values() for k, us in site.items() if _is_sparse_kernel(k))
+        rows[name] = dict(wall_ms=round(ms, 3), gpu_busy_us=round(cov.busy_us, 1), eager_us_by_site=sites,
+                          sparse_kernels_us_per_sparse_layer=round(sparse_us / max(n_sparse, 1), 1),
                           gpu_us_per_layer=round(cov.busy_us / layers, 1),
                           moe_us_per_moe_layer=round(moe_us / max(moe_layers, 1), 1),
                           kernels_in_graphs=cov.in_graphs, kernels_eager=cov.eager)
         print(f"{args.label:>8} {name:>14}: wall {ms:8.2f} ms, GPU-busy {cov.busy_us / 1e3:8.2f} ms "
               f"({cov.busy_us / layers:6.1f} us/layer, MoE {moe_us / max(moe_layers, 1):6.1f} us/MoE layer), "
-              f"kernels {cov.in_graphs} in graphs + {cov.eager} eager", flush=True)
+              f"kernels {cov.in_graphs} in graphs + {cov.eager} eager; sparse attention kernels "
+              f"{sparse_us / max(n_sparse, 1):6.1f} us/sparse layer", flush=True)
+        if sites:
+            per = {site: round(us / max(n_sparse, 1), 1) for site, us in sites.items()}
+            print(f"{args.label:>8} {name:>14}: eager GPU us per step by site {sites}; / {n_sparse} sparse layers "
+                  f"{per}", flush=True)
     res = dict(label=args.label, gpu=torch.cuda.get_device_name(), preset=args.preset, layers=layers,
-               context=args.context, iters=args.iters, build_s=round(build_s, 2), capture_s=round(capture_s, 2),
+               context=args.context, requests=n_req, mixed_decodes=md, chunk=chunk, iters=args.iters,
+               build_s=round(build_s, 2), capture_s=round(capture_s, 2),
+               backend=args.backend, kv_dtype=args.kv_dtype or "bf16",
                routing=args.routing, concentrated=args.concentrated, quantization=args.quantization,
                weights_gib=round(weights_gib, 2),
                expert_spread=spread.as_dict() if spread else None,
@@ -133,6 +163,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _is_sparse_kernel(name: str) -> bool:
+    """The Triton sparse-attention kernels (``attention.kernels.indexer`` and ``.sparse``)."""
+    return any(k in name for k in ("_partial_kernel", "_merge_kernel", "_attn_kernel"))
 
 
 if __name__ == "__main__":

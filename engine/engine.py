@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -57,6 +57,8 @@ class StepRecord:
     t_done: float = 0.0
     checked: bool = False
     admitted: int = 0  # requests admitted by the engine step that launched this one
+    context: int = 0  # end position of the step's longest-reaching prompt chunk (0: decodes only)
+    compiles: int = 0  # kernel compiles while the runner launched it (each stalled the step)
 
     @property
     def kind(self) -> str:
@@ -85,6 +87,11 @@ class EngineStats:
     checked_steps: int = 0
     mismatches: list[str] = field(default_factory=list)
     dropped_tokens: int = 0  # generated after a stop token by an already-launched step
+    # Kernel compiles (builds and disk-cache loads) while this engine launched steps, after the
+    # runner's capture (``StepRunner.compiles_after_capture``); ``counting_compiles`` False:
+    # the runner counts none (never captured).
+    compiles: list[Any] = field(default_factory=list)
+    counting_compiles: bool = False
 
 
 class Engine:
@@ -115,6 +122,9 @@ class Engine:
         self.stats = EngineStats()
         self._inflight: _Launched | None = None
         self._next_id = 0
+        before = runner.compiles_after_capture()  # an earlier engine's compiles are not this one's
+        self.stats.counting_compiles = before is not None
+        self._compiles_from = len(before or ())
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: Request) -> RequestState:
@@ -217,6 +227,7 @@ class Engine:
             reference = self.reference.run_chunks(token_chunks, feed, commit=False) if check else None
             logits = self.runner.run_chunks(token_chunks, feed)
         except (ValueError, RuntimeError):
+            self._new_compiles()
             bad = self._refused(token_chunks)
             if not bad:
                 raise
@@ -225,8 +236,9 @@ class Engine:
                     self._fail(c.state, bad[c.state.id], ended)
             rest = [c for c in chunks if c.state.id not in bad]
             return self._launch(rest, ended) if rest else None
+        context = max((tc.end_pos for c, tc in zip(chunks, token_chunks) if not c.state.prompt_done), default=0)
         record = StepRecord(self._next_id, row, len(chunks), sum(c.state.prompt_done for c in chunks), self.clock(),
-                            checked=check)
+                            checked=check, context=context, compiles=self._new_compiles())
         self._next_id += 1
         params = [c.state.request.sampling for c in chunks]
         tokens = self.sampler.sample(logits, params, [c.state.scheduled for c in chunks])
@@ -246,6 +258,14 @@ class Engine:
                 s.pending = (record.step_id, i)
         self.stats.steps.append(record)
         return _Launched(record, chunks, tokens, host, done, logits if check else None, reference)
+
+    def _new_compiles(self) -> int:
+        """Take the runner's compiles since the last look into the stats; how many."""
+        if not self.stats.counting_compiles:
+            return 0
+        new = self.runner.compiles_after_capture(self._compiles_from + len(self.stats.compiles)) or ()
+        self.stats.compiles.extend(new)
+        return len(new)
 
     def _refused(self, chunks: list[TokenChunk]) -> dict[Hashable, str]:
         """The requests whose own chunk the runner refuses, with its message."""

@@ -4,6 +4,10 @@ Per-user output throughput is what one user sees while their answer streams: tok
 the first over the time they took, ``(n - 1) / (t_last - t_first)`` (1 / TPOT). TTFT is from
 submission to the first token the host read. Times are the engine's clock at the moment the
 host saw the token (with overlap, one step after the GPU produced it).
+
+A step's wall time is completion to completion. With overlap, work the host does while
+launching step N+1 (a kernel compile, say) delays the completion it waits for next, step N's:
+a stall shows in the step before the one that compiled.
 """
 
 from __future__ import annotations
@@ -58,11 +62,66 @@ def step_figures(engine: Engine) -> dict[str, Any]:
     return out
 
 
-def summarize(engine: Engine, wall_s: float) -> dict[str, Any]:
-    """Request and step figures plus total output tok/s over ``wall_s``."""
+def _step_walls(engine: Engine) -> list[tuple[Any, float]]:
+    """(step, wall ms completion to completion) for every step after the first completed one."""
+    steps = engine.stats.steps
+    return [(b, 1e3 * (b.t_done - a.t_done)) for a, b in zip(steps, steps[1:]) if a.t_done and b.t_done]
+
+
+def chunk_step_figures(engine: Engine, context_bin: int | None = None, min_steps: int = 3) -> dict[str, Any]:
+    """Steps holding a prompt chunk (``prefill`` and ``mixed``) by the context the chunk
+    reaches, in bins of ``context_bin`` tokens (``context_from < context <= context_to``;
+    default 8 chunks of the scheduler's size): median and worst wall ms per bin, and worst /
+    median. A step's time grows with context, so only steps of one bin are compared;
+    ``chunk_step_worst_ratio`` is the largest over bins of at least ``min_steps`` steps (a
+    first-use stall of a new length range shows as a ratio far above 1; nan when no bin has
+    that many)."""
+    width = context_bin or 8 * engine.config.scheduler.chunk_size
+    bins: dict[int, list[tuple[Any, float]]] = {}
+    for step, ms in _step_walls(engine):
+        if step.kind != "decode":
+            bins.setdefault((max(step.context, 1) - 1) // width, []).append((step, ms))
+    rows = []
+    for b, items in sorted(bins.items()):
+        walls = [ms for _, ms in items]
+        worst_step, worst = max(items, key=lambda x: x[1])
+        med = _pct(walls, 0.5)
+        rows.append({"context_from": b * width, "context_to": (b + 1) * width, "steps": len(items),
+                     "median_ms": med, "worst_ms": worst, "ratio": worst / med if med > 0 else float("nan"),
+                     "worst_step": worst_step.step_id, "worst_context": worst_step.context})
+    ranked = [r for r in rows if r["steps"] >= min_steps]
+    top = max(ranked, key=lambda r: r["ratio"], default=None)
+    all_walls = [ms for items in bins.values() for _, ms in items]
+    return {"chunk_steps": len(all_walls), "chunk_step_ms_p50": _pct(all_walls, 0.5),
+            "chunk_step_ms_max": max(all_walls, default=float("nan")),
+            "chunk_step_worst_ratio": top["ratio"] if top else float("nan"),
+            "chunk_step_worst_bin": top, "chunk_step_bins": rows, "context_bin": width}
+
+
+def compile_figures(engine: Engine) -> dict[str, Any]:
+    """Kernel compiles while the engine launched steps after the runner's capture: builds,
+    disk-cache loads, their seconds, the kernels (name: count) and the steps they stalled.
+    ``None`` counts when the runner counts none (never captured)."""
+    events = engine.stats.compiles
+    if not engine.stats.counting_compiles:
+        return {"compiles_after_capture": None, "disk_loads_after_capture": None, "compile_s_after_capture": None,
+                "compiled_kernels": {}, "compile_steps": []}
+    kernels: dict[str, int] = {}
+    for e in events:
+        kernels[e.kernel] = kernels.get(e.kernel, 0) + 1
+    return {"compiles_after_capture": sum(not e.cached for e in events),
+            "disk_loads_after_capture": sum(bool(e.cached) for e in events),
+            "compile_s_after_capture": sum(e.seconds for e in events),
+            "compiled_kernels": dict(sorted(kernels.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "compile_steps": [s.step_id for s in engine.stats.steps if s.compiles]}
+
+
+def summarize(engine: Engine, wall_s: float, context_bin: int | None = None) -> dict[str, Any]:
+    """Request, step, chunk-step (``context_bin``: see ``chunk_step_figures``) and compile
+    figures plus total output tok/s over ``wall_s``."""
     req = request_figures(engine.states.values())
     return {**req, "wall_s": wall_s, "total_tok_s": req["output_tokens"] / wall_s if wall_s > 0 else float("nan"),
-            **step_figures(engine)}
+            **step_figures(engine), **chunk_step_figures(engine, context_bin), **compile_figures(engine)}
 
 
-__all__ = ["request_figures", "step_figures", "summarize"]
+__all__ = ["chunk_step_figures", "compile_figures", "request_figures", "step_figures", "summarize"]

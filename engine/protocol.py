@@ -7,7 +7,7 @@ the host with the device, so that the engine can prepare the next step while thi
 
 from __future__ import annotations
 
-from typing import Hashable, Protocol, Sequence, runtime_checkable
+from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -66,6 +66,12 @@ class StepRunner(Protocol):
         """Queue one step on the device without a host sync; ``[len(chunks), vocab]`` logits of
         each chunk's last token. ``feed`` gives rows whose token ids live on the device;
         ``commit=False`` leaves the written lengths (a reference run of a step that runs again)."""
+
+    def compiles_after_capture(self, start: int = 0) -> Sequence[Any] | None:
+        """Kernel compiles since the runner's capture returned, from the ``start``-th on
+        (``None``: the runner counts none, e.g. it was never captured). Each has ``kernel``
+        (a name), ``key`` (its specialization), ``cached`` (loaded from a disk cache rather
+        than built) and ``seconds``: ``graphcap.startup.compile_counter.CompileEvent``."""
 
 
 __all__ = ["StepRunner"]

@@ -21,6 +21,17 @@ positions, so no two tokens of one dummy step write the same slot.
 Cache writes by slot ``-1`` (padding) must touch no real page. The torch writer redirects them
 to a private sink page stored after the last real page in every layer; the sink is never
 handed out and ``k_cache``/``v_cache``/``index_k_cache`` are views that exclude it.
+
+fp8 caches: main K/V and index-K may each be ``torch.float8_e4m3fn`` with unit scale (no
+per-tensor or per-block scale: the stored value is the value), as vLLM and TensorRT-LLM run
+MiniMax-M3 (K and index-K are RMS-normed, V is a projection output, so their magnitudes sit
+far inside e4m3's range). Every writer clamps to ``+-448`` (e4m3's largest finite value),
+then casts, rounding to nearest even: an out-of-range value saturates instead of landing as
+NaN (e4m3fn has no inf, and what torch's cast does past 448 differs by device: NaN from the
+scalar conversion CUDA kernels use, saturation on this CPU; the clamp makes every device
+store the same bytes). NaN stays NaN. Readers upcast to their compute dtype after gathering
+(exact). ``to_cache_dtype`` is the one definition of the cast; the fused producer kernel
+reproduces it bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +42,67 @@ from typing import Hashable
 import torch
 
 from common.values import int_tuple, is_int
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max: the clamp before every fp8 cache write
+# Storage dtypes a cache may use. fp64 serves float64 reference runs; fp8 is e4m3 only.
+CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, torch.float64, FP8_E4M3)
+# Names a command line may give for a cache dtype (``cache_dtype``).
+CACHE_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3,
+    "float8_e4m3fn": FP8_E4M3,
+}
+
+
+def check_cache_dtype(name: str, dtype: object) -> torch.dtype:
+    """``dtype`` if a cache may store it.
+
+    Raises:
+        ValueError: not a torch dtype, or one no cache stores (names ``name`` and the choices).
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name} must be a torch.dtype, got {dtype!r}")
+    if dtype not in CACHE_DTYPES:
+        other_fp8 = dtype.is_floating_point and dtype.itemsize == 1
+        fp8 = " (fp8 caches are e4m3 only: torch.float8_e4m3fn, unit scale)" if other_fp8 else ""
+        raise ValueError(f"{name}={dtype} is not a supported cache dtype{fp8}; choose one of "
+                         f"{', '.join(str(d) for d in CACHE_DTYPES)}")
+    return dtype
+
+
+def cache_dtype(value: torch.dtype | str) -> torch.dtype:
+    """A cache dtype from a torch dtype or a name (``bf16``, ``fp16``, ``fp32``, ``fp8``, ...).
+
+    Raises:
+        ValueError: an unknown name or an unsupported dtype.
+    """
+    if isinstance(value, str):
+        if value.lower() not in CACHE_DTYPE_NAMES:
+            raise ValueError(f"unknown KV cache dtype {value!r}; choose one of {sorted(CACHE_DTYPE_NAMES)}")
+        return CACHE_DTYPE_NAMES[value.lower()]
+    return check_cache_dtype("kv_dtype", value)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` stores fp8 e4m3 (and its writers clamp)."""
+    return dtype == FP8_E4M3
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as stored in a cache of ``dtype``: for fp8 e4m3, ``x.clamp(-448, 448)`` cast
+    (round to nearest even; NaN stays NaN); otherwise the plain cast. Capturable."""
+    if is_fp8(dtype) and x.dtype != dtype:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
+
+
+def _scatter_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, idx, src)``; one-byte (fp8) rows move as their bytes, because
+    ``index_copy_`` has no fp8 kernel on CPU (the bytes are the values: nothing is converted)."""
+    if dst.element_size() == 1 and dst.dtype.is_floating_point:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, idx, src)
 
 
 @dataclass(frozen=True)
@@ -48,8 +120,9 @@ class KVCacheConfig:
         max_seqs: requests one step may hold (metadata capacity).
         max_pages_per_seq: block-table width; a sequence holds at most
             ``max_pages_per_seq * page_size`` positions.
-        dtype: main K/V storage dtype.
-        index_dtype: index-K storage dtype.
+        dtype: main K/V storage dtype (one of ``CACHE_DTYPES``; ``torch.float8_e4m3fn``: fp8
+            e4m3, unit scale, clamped to +-448 on write; see the module docstring).
+        index_dtype: index-K storage dtype (the same choices).
         device: where the caches live.
         table_row_headroom: extra assignable block-table rows beyond ``max_seqs``; ``None``
             means ``max_seqs`` (see the module docstring).
@@ -87,8 +160,7 @@ class KVCacheConfig:
                 f"[0, num_layers={self.num_layers}), got {sl!r}"
             )
         for name in ("dtype", "index_dtype"):
-            if not isinstance(getattr(self, name), torch.dtype):
-                raise ValueError(f"KVCacheConfig.{name} must be a torch.dtype, got {getattr(self, name)!r}")
+            check_cache_dtype(f"KVCacheConfig.{name}", getattr(self, name))
         try:
             object.__setattr__(self, "device", torch.device(self.device))
         except (RuntimeError, TypeError):
@@ -118,6 +190,18 @@ class KVCacheConfig:
     @property
     def max_seq_len(self) -> int:
         return self.max_pages_per_seq * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token position takes over all layers: K and V of every layer plus
+        index-K of the sparse layers (what bounds how many tokens fit)."""
+        kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return kv + len(self.sparse_layers) * self.index_dim * self.index_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the allocated caches: every page (assignable, capture, and the sink page)."""
+        return (self.total_pages + 1) * self.page_size * self.bytes_per_token
 
 
 class PagedKVCache:
@@ -376,7 +460,8 @@ class PagedKVCache:
         Args:
             layer: decoder layer.
             slot_mapping: ``int64 [T]`` flat slots, ``-1`` for padded rows.
-            k, v: ``[T, num_kv_heads, head_dim]``.
+            k, v: ``[T, num_kv_heads, head_dim]``, any float dtype (cast with ``to_cache_dtype``:
+                an fp8 cache stores ``x.clamp(-448, 448)`` in e4m3).
             index_k: ``[T, index_dim]`` for sparse layers, or ``None`` to skip index-K.
         """
         c = self.config
@@ -389,13 +474,13 @@ class PagedKVCache:
                 f"{tuple(slot_mapping.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
         idx = torch.where(slot_mapping >= 0, slot_mapping, self._sink_slot).to(torch.int64)
-        self._k_store[layer].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, idx, k.to(c.dtype))
-        self._v_store[layer].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, idx, v.to(c.dtype))
+        _scatter_rows(self._k_store[layer].view(-1, c.num_kv_heads, c.head_dim), idx, to_cache_dtype(k, c.dtype))
+        _scatter_rows(self._v_store[layer].view(-1, c.num_kv_heads, c.head_dim), idx, to_cache_dtype(v, c.dtype))
         if index_k is not None:
             s = self.sparse_index(layer)
             if index_k.shape != (t, c.index_dim):
                 raise ValueError(f"write expects index_k [T, {c.index_dim}], got {tuple(index_k.shape)}")
-            self._ik_store[s].view(-1, c.index_dim).index_copy_(0, idx, index_k.to(c.index_dtype))
+            _scatter_rows(self._ik_store[s].view(-1, c.index_dim), idx, to_cache_dtype(index_k, c.index_dtype))
 
 
 def _to_device(pages: list[int], device: torch.device) -> torch.Tensor:

@@ -18,7 +18,8 @@
 # with the concentrated random router, the calibrated one and uniform routing), fp8linear (the
 # MXFP8 projections: bf16 vs dequantise + F.linear vs the Triton fp8 kernels), mxfp8 (60-layer steps,
 # bf16 then MXFP8), mxserve (serving, bf16 then MXFP8, same requests), mxacc (MXFP8 vs its
-# dequantised bf16 twin: logits and 200-step greedy agreement), or a pytest path.
+# dequantised bf16 twin: logits and 200-step greedy agreement), longserve (the long-context serving
+# preset), ttft (one 128K prompt alone), fp8decode (decode 32 at 128K, bf16 vs fp8 KV), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -55,7 +56,7 @@ for part in "${parts[@]}"; do
     kernels)    $T python3 benchmarks/bench_attention_kernels.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     moe)        $T python3 benchmarks/bench_m3_moe.py ${MOE_ARGS:-} --json "$OUT/bench_m3_moe.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     routernorm) $T python3 benchmarks/bench_m3_router_norm.py --json "$OUT/bench_m3_router_norm.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    tiles)      $T python3 benchmarks/bench_prefill_tiles.py --json "$OUT/bench_prefill_tiles.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    tiles)      $T python3 benchmarks/bench_prefill_tiles.py ${TILES_ARGS:-} --json "$OUT/bench_prefill_tiles${TILES_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     profile)    $T python3 examples/profile_forward.py --preset rank-of-8 --layers 16 --decode 1,2,4,8,16,32 --context 3000 --json "$OUT/profile_rank_of_8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     startup)    # two starts on one cache directory: cold (empty), then warm (what the first wrote)
                 # STARTUP_BASELINE=1: first a cold start that compiles each Triton kernel on its first
@@ -89,7 +90,7 @@ for part in "${parts[@]}"; do
                 if [ -d .baseline ]; then  # the earlier checkout's packages first on the path, not this one's
                   PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} $T python3 benchmarks/bench_steps.py --label before --json "$OUT/bench_steps_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
                 fi
-                $T python3 benchmarks/bench_steps.py --label after --json "$OUT/bench_steps_after.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
+                $T python3 benchmarks/bench_steps.py --label after ${STEPS_ARGS:-} --json "$OUT/bench_steps_after${STEPS_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
     routing)    # 60-layer steps under three routings, side by side: the uncalibrated random router
                 # (concentrated: earlier figures), the calibrated router, the uniform simulation
                 rc=0
@@ -107,6 +108,16 @@ for part in "${parts[@]}"; do
     mxserve)    # serving, bf16 then MXFP8, the same requests (c30 default workload, calibrated routing)
                 $T python3 examples/serve_sim.py --preset rank-of-8 --weights bf16,mxfp8 --modes ${SERVE_MODES:-full_and_piecewise} --json "$OUT/serve_sim_mxfp8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     mxacc)      $T python3 benchmarks/mxfp8_accuracy.py --layers ${MXACC_LAYERS:-20} --steps 200 --json "$OUT/mxfp8_accuracy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    longserve)  # the long-context serving preset (c8, prompts 32K-128K; decode vs full_and_piecewise, bf16 vs fp8 KV)
+                $T python3 examples/serve_sim.py --preset rank-of-8 --workload long ${LONGSERVE_ARGS:-} --json "$OUT/serve_sim_long${LONGSERVE_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    ttft)       # one 128K prompt alone: prefill to first token, with its chunk steps (TTFT_ARGS: e.g. --kv-dtype fp8)
+                $T python3 examples/serve_sim.py --preset rank-of-8 --workload long --requests 1 --concurrency 1 --prompt-len ${TTFT_LEN:-128000} --output-len 2 --modes full_and_piecewise --kv-dtype bf16 ${TTFT_ARGS:-} --json "$OUT/serve_sim_ttft.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    fp8decode)  # decode at long context, bf16 vs fp8 KV: the sparse kernels' GPU time per layer (FP8DECODE_LAYERS
+                # layers so 32 requests of 128K fit; the per-layer kernels do not depend on the layer count)
+                rc=0
+                for kv in bf16 fp8; do
+                  $T python3 benchmarks/bench_steps.py --layers ${FP8DECODE_LAYERS:-8} --context ${FP8DECODE_CTX:-128000} --decode 32 --mixed-decodes 3 --requests 32 --iters 10 --kv-dtype $kv --label "kv-$kv" --json "$OUT/bench_steps_kv_$kv.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                done ;;
     audit)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes full_and_piecewise --audit-every ${AUDIT_EVERY:-0,10,1000} --json "$OUT/serve_sim_audit.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
   esac

@@ -21,6 +21,10 @@ Two kinds of flashinfer wrapper share one float workspace and the persistent pag
   ``BatchPrefillWithPagedKVCacheWrapper``, causal, in eager mode. Those steps never run
   inside a captured graph (the dense splice runs eagerly between graph segments).
 
+fp8 KV: a ``torch.float8_e4m3fn`` cache is planned with ``kv_data_type=torch.float8_e4m3fn`` and
+``q_data_type`` the query's dtype (bf16 by default; q and out stay 16-bit); unit scale, so
+``run`` passes no ``k_scale``/``v_scale`` (flashinfer's default 1.0).
+
 Host cost of ``plan`` is O(requests): indptr and last_page_len come from the metadata's host
 copy of ``kv_lens``; the page ids are gathered on the device from the cache's block-table
 rows, so no per-page host walk ever happens. Padded request rows have no pages: flashinfer
@@ -38,7 +42,7 @@ from attention.base import AttentionBackend, device_tensors
 from attention.dims import AttentionDims
 from graphcap import Padding, Step
 from graphcap.startup import jit_cache
-from kvcache.paged import PagedKVCache
+from kvcache.paged import FP8_E4M3, PagedKVCache
 
 _INSTALL_HINT = "install it with the 'cuda' extra: pip install 'graphcap[cuda]' (package flashinfer-python)"
 
@@ -121,22 +125,25 @@ class FlashinferAttention(AttentionBackend):
     """flashinfer paged dense attention for the dense layers, planned once per step.
 
     Args:
-        cache: the paged cache (CUDA, bf16 or fp16); layer ``l`` reads ``k_cache[l]``/``v_cache[l]``.
+        cache: the paged cache (CUDA; main K/V bf16, fp16 or fp8 e4m3); layer ``l`` reads
+            ``k_cache[l]``/``v_cache[l]``.
         dims: attention shapes.
         prefill_backend: flashinfer backend of the eager wrapper (``"fa2"``; ``"fa3"`` or
             ``"auto"`` on Hopper are faster for long chunks but JIT another module).
         workspace_bytes: flashinfer's float workspace (split-KV partial results).
+        q_dtype: dtype of q and out (the model's); default the cache dtype for a 16-bit cache,
+            bf16 for an fp8 one.
 
     Raises:
         ImportError: flashinfer is not installed (before anything is allocated).
         RuntimeError: the cache is not on a CUDA device.
-        ValueError: an unsupported cache dtype.
+        ValueError: an unsupported cache or query dtype.
     """
 
     needs_jit = True  # every wrapper's module is built on first plan (about 20 s on an H200)
 
     def __init__(self, cache: PagedKVCache, dims: AttentionDims, *, prefill_backend: str = "fa2",
-                 workspace_bytes: int = 128 << 20) -> None:
+                 workspace_bytes: int = 128 << 20, q_dtype: torch.dtype | None = None) -> None:
         self._fi = import_flashinfer()  # fail first, so "auto" moves on without allocating anything
         device = cache.block_tables.device
         if device.type != "cuda":
@@ -145,9 +152,18 @@ class FlashinferAttention(AttentionBackend):
             )
         super().__init__(cache, dims)
         c = cache.config
-        if c.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"the flashinfer dense path reads bf16/fp16 caches, got {c.dtype}")
-        self.dtype = c.dtype
+        half = (torch.bfloat16, torch.float16)
+        if c.dtype not in half + (FP8_E4M3,):
+            raise ValueError(f"the flashinfer dense path reads bf16, fp16 or fp8 e4m3 caches, got {c.dtype}; "
+                             f"use the 'torch' or 'triton' backend for it")
+        q_dtype = q_dtype or (c.dtype if c.dtype in half else torch.bfloat16)
+        if q_dtype not in half:
+            raise ValueError(f"flashinfer's q and out are bf16 or fp16, got q_dtype={q_dtype}")
+        if c.dtype in half and q_dtype != c.dtype:
+            raise ValueError(f"q_dtype={q_dtype} differs from the {c.dtype} cache; flashinfer mixes dtypes only "
+                             f"for an fp8 cache")
+        self.kv_dtype = c.dtype  # what the wrappers are planned with (kv_data_type)
+        self.dtype = q_dtype  # q and out
         rows = c.max_seqs + 1  # metadata request rows, padding row included
         self._workspace_buf = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)  # zero on first use
         # flashinfer's plan writes its schedule into one pinned host buffer per wrapper and
@@ -225,7 +241,7 @@ class FlashinferAttention(AttentionBackend):
         gather_page_indices(indptr_dev, meta.buffers.table_rows[:rows], meta.block_tables, indices)
         d = self.dims
         dims = (d.num_qo_heads, d.num_kv_heads, d.head_dim, d.block_size)
-        kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=d.scale)
+        kw = dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=d.scale)
         if self._plan_copied is not None:
             self._plan_copied.synchronize()  # free in steady state: the GPU is past that copy
         if wrapper is not None:
@@ -242,8 +258,9 @@ class FlashinferAttention(AttentionBackend):
     def _dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """Causal GQA of one dense layer; kernels only.
 
-        q: ``[T, num_qo_heads, head_dim]`` in the cache dtype, last dim contiguous, ``T`` at
-        least the planned rows; out: same shape, contiguous. Rows of padded decode requests
+        q: ``[T, num_qo_heads, head_dim]`` in ``self.dtype`` (the cache dtype, or bf16/fp16 over
+        an fp8 cache), last dim contiguous, ``T`` at least the planned rows; out: same shape
+        and dtype, contiguous. Rows of padded decode requests
         get zeros; rows past the planned ones are untouched.
         """
         p = self._planned
@@ -255,7 +272,8 @@ class FlashinferAttention(AttentionBackend):
             raise ValueError(f"q and out must be [T >= {p.rows}, {want[0]}, {want[1]}]; "
                              f"got {tuple(q.shape)}, {tuple(out.shape)}")
         if q.dtype != self.dtype or out.dtype != self.dtype:
-            raise ValueError(f"q and out must be {self.dtype} (the cache dtype); got {q.dtype}, {out.dtype}")
+            raise ValueError(f"q and out must be {self.dtype} (the dtype the wrappers were planned with; "
+                             f"pass q_dtype for another); got {q.dtype}, {out.dtype}")
         if q.stride(-1) != 1 or not out.is_contiguous():
             raise ValueError("flashinfer needs q with a contiguous last dim and a contiguous out")
         kv = (self.cache.k_cache[layer], self.cache.v_cache[layer])
@@ -275,7 +293,7 @@ class FlashinferAttention(AttentionBackend):
         q = torch.zeros(n, d.num_qo_heads, d.head_dim, dtype=self.dtype, device=self._workspace_buf.device)
         out = torch.empty_like(q)
         kv = (self.cache.k_cache[0], self.cache.v_cache[0])
-        kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=d.scale)
+        kw = dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=d.scale)
         dims = (d.num_qo_heads, d.num_kv_heads, d.head_dim, d.block_size)
         self._indices_buf[:n].zero_()
         for b in sizes:

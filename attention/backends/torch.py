@@ -2,6 +2,8 @@
 
 Exact and slow; the CPU path and the reference other backends are tested against. Its ops
 loop over the step's requests on the host, so it is never graph-safe for decode graphs.
+Caches of every ``kvcache.paged.CACHE_DTYPES`` dtype work, fp8 e4m3 included: the references
+gather in the storage dtype and upcast to the compute dtype.
 """
 
 from __future__ import annotations

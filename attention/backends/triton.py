@@ -7,9 +7,14 @@
   from host metadata (never inside a decode graph: the manager only makes decode graphs of
   uniform decode steps). The indexer runs over request-aligned token tiles planned per step (a
   prefill chunk's tokens share every index-K tile they load: 158 -> 22 us per layer for 30
-  decodes + a 1024-token chunk at rank-of-8 on an H200); the attention runs one token per
-  program (the pipelined per-token loop measured faster there than token tiles: 141 vs
-  168 us, random selections sharing few blocks).
+  decodes + a 1024-token chunk at rank-of-8 on an H200). The attention runs one token per
+  program by default (``prefill_attention="per_token"``), for one request as for several: on
+  the H200 at 64K, 3 decodes + a 1024-token chunk, 164 us per layer where token tiles over the
+  union of their blocks took 365 us when neighbouring tokens select unrelated blocks (a random
+  model's selections) and 64 us when runs of 8 tokens share theirs (locality a trained model's
+  selections may have: ``prefill_attention="tiles"``). The tiles run one wave of programs,
+  so one tile with a wide union sets the time: shared runs misaligned with the tiles took
+  370 us at 128K. Either choice is one build for every prefill step.
 - ``dense``: a FALLBACK Triton kernel (one token per program, split over key blocks): correct
   and graph-safe for decode, slow for long prefills. Prefer flashinfer for the dense layers
   (``LayerSplit(dense=FlashinferAttention, sparse=TritonAttention)``, the ``flashinfer`` kind).
@@ -21,7 +26,7 @@ import torch
 
 from attention.base import AttentionBackend
 from attention.dims import AttentionDims
-from attention.kernels import indexer
+from attention.kernels import indexer, sparse
 from attention.kernels.indexer import index_topk_decode, index_topk_prefill_tiled
 from attention.kernels.sparse import dense_attention_triton, sparse_attention_decode, sparse_attention_prefill
 from attention.kernels.tiles import StepTiles, TilePlanner
@@ -32,18 +37,32 @@ from kvcache.paged import PagedKVCache
 class TritonAttention(AttentionBackend):
     """Triton kernels for index top-k and sparse attention (dense: Triton fallback).
 
+    Args:
+        cache, dims: as :class:`AttentionBackend`.
+        prefill_attention: ``"per_token"`` (default) or ``"tiles"``: how prefill steps' sparse
+            attention runs (see the module docstring).
+
     Attributes:
         topk_buf: ``int32 [num_kv_heads, max_tokens, topk]`` selections, shared by all sparse layers.
     """
 
-    def __init__(self, cache: PagedKVCache, dims: AttentionDims) -> None:
+    PREFILL_ATTENTION = ("per_token", "tiles")
+
+    def __init__(self, cache: PagedKVCache, dims: AttentionDims, prefill_attention: str = "per_token") -> None:
         super().__init__(cache, dims)
+        if prefill_attention not in self.PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be one of {self.PREFILL_ATTENTION}, got {prefill_attention!r}")
         device = cache.block_tables.device
         self.topk_buf = torch.full((dims.num_kv_heads, dims.max_tokens, dims.topk), -1, dtype=torch.int32,
                                    device=device)
         self._index_tiles = TilePlanner(dims.max_tokens, device)
-        self._index_block_t = indexer.default_block_t(dims.num_kv_heads)
+        self._index_block_t = indexer.tile_block_t(dims.num_kv_heads)
         self._tiles: StepTiles | None = None
+        self._attn_tiles: TilePlanner | None = None
+        if prefill_attention == "tiles":
+            self._attn_tiles = TilePlanner(dims.max_tokens, device)
+            self._attn_block_t = sparse.default_block_t(dims.num_qo_heads // dims.num_kv_heads)
+        self._attn_rows: torch.Tensor | None = None
 
     def plan(self, step: Step, padding: Padding) -> None:
         meta = self.check_plan(step, padding)
@@ -54,6 +73,8 @@ class TritonAttention(AttentionBackend):
         self._tiles = None
         if not step.uniform_decode:  # the prefill path: request-aligned tiles, O(tiles) host work
             self._tiles = self._index_tiles.plan(meta.qo_indptr_host, self._index_block_t)
+            if self._attn_tiles is not None:
+                self._attn_rows = self._attn_tiles.plan(meta.qo_indptr_host, self._attn_block_t).rows
 
     def sparse_graph_safe(self, padding: Padding) -> bool:
         return padding.rows <= self.dims.max_tokens
@@ -74,9 +95,11 @@ class TritonAttention(AttentionBackend):
                 raise RuntimeError("TritonAttention ran a prefill step it did not plan; plan every step first")
             topk = self.topk_buf[:, : meta.num_tokens]
             index_topk_prefill_tiled(iq, ik, meta, d.topk, topk, self._tiles)
-            # One request: token tiles share the blocks neighbouring tokens select; several
-            # requests: one token per program (see the module docstring).
-            sparse_attention_prefill(q, kc, vc, topk, meta, out, d.scale, block_t=None if meta.num_seqs == 1 else 1)
+            if self._attn_tiles is None:
+                sparse_attention_prefill(q, kc, vc, topk, meta, out, d.scale, block_t=1)
+            else:  # every tile in one launch (one-token tiles too): faster than two on the H200
+                sparse_attention_prefill(q, kc, vc, topk, meta, out, d.scale, block_t=self._attn_block_t,
+                                         tiles=self._attn_rows)
 
     def _dense(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """FALLBACK dense causal GQA of layer ``layer`` (see the module docstring)."""

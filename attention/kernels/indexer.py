@@ -53,6 +53,22 @@ def _pack_keys(score, block_id):
 
 
 @triton.jit
+def _block_dot(q, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """Scores ``[rows, keys]`` of the tile's queries against logical block ``b`` (page from
+    the block-table row ``bt_row``); an fp8 cache is widened to the queries' dtype."""
+    page = tl.load(bt_row + b)
+    kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
+                 mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
+    if DOT_F32:
+        return tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(kt.to(q.dtype)))
+
+
+# Runtime counts that change from step to step are not specialised (as 1 or 16-divisible), and
+# the tile rows (views at any offset of the planner's buffer) not on alignment: one build
+# serves every prefill step, so none compiles mid-serving.
+@triton.jit(do_not_specialize=["T", "NC"], do_not_specialize_on_alignment=["tiles_ptr"])
 def _partial_kernel(
     iq_ptr, stride_iq_t, stride_iq_h,
     ik_ptr, stride_ik_p, stride_ik_s,
@@ -60,7 +76,7 @@ def _partial_kernel(
     part_ptr, T, page_size, NC, tiles_ptr,
     HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
-    DOT_F32: tl.constexpr, TILED: tl.constexpr = False,
+    DOT_F32: tl.constexpr, TILED: tl.constexpr = False, FULL_PAGE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     c = tl.program_id(1)
@@ -100,48 +116,82 @@ def _partial_kernel(
             p_hi = tl.max(tl.where(in_s, pos, -1), axis=0)
             b_end = tl.minimum(b0 + CHUNK, (p_hi + page_size) // page_size)  # p_hi = -1 -> b_end <= 0
             srow = tl.load(table_rows_ptr + s)
-            for b in range(b0, b_end):
-                page = tl.load(bt_ptr + srow.to(tl.int64) * stride_bt + b)
-                kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
-                             mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
-                if DOT_F32:
-                    sc = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
-                else:
-                    sc = tl.dot(q, tl.trans(kt))
+            # Blocks wholly before every row's position need no causal mask (all but the last
+            # few of a long context): a first loop takes them without the [rows, keys] select
+            # (only where a page fills the tile's key columns: no padded columns to mask).
+            p_lo = tl.min(tl.where(in_s, pos, 2147483647), axis=0)
+            b_mid = tl.minimum(b_end, tl.maximum(b0, (p_lo + 1) // page_size)) if FULL_PAGE else b0
+            bt_row = bt_ptr + srow.to(tl.int64) * stride_bt
+            for b in range(b0, b_mid):
+                sc = _block_dot(q, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32)
+                bs = tl.where(local == b, float("-inf"), tl.max(sc, axis=1))  # the merge forces the local block
+                S = tl.where((cols[None, :] == b - b0) & in_s[:, None], bs[:, None], S)
+            for b in range(b_mid, b_end):
+                sc = _block_dot(q, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32)
                 j = b * page_size + n
                 vis = in_s[:, None] & (j[None, :] <= pos[:, None]) & (n[None, :] < page_size)
                 bs = tl.max(tl.where(vis, sc, float("-inf")), axis=1)
-                bs = tl.where(local == b, float("-inf"), bs)  # the local block is forced by the merge
+                bs = tl.where(local == b, float("-inf"), bs)
                 S = tl.where((cols[None, :] == b - b0) & in_s[:, None], bs[:, None], S)
         keys = _pack_keys(S, b0 + cols[None, :])
         out = part_ptr + ((tok.to(tl.int64) * HIDX + head) * NC + c) * KP
-        for i in tl.static_range(KP):
-            best = tl.max(keys, axis=1)
-            tl.store(out + i, best, mask=row_ok)
-            keys = tl.where(keys == best[:, None], -9223372036854775807, keys)
+        if KP == CHUNK:  # every block of the chunk is a candidate: no partial selection
+            tl.store(out[:, None] + cols[None, :], keys, mask=row_ok[:, None])
+        else:
+            for i in tl.static_range(KP):
+                best = tl.max(keys, axis=1)
+                tl.store(out + i, best, mask=row_ok)
+                keys = tl.where(keys == best[:, None], -9223372036854775807, keys)
 
 
 @triton.jit
+def _top_keys(keys, n, kk, TOPK_PAD: tl.constexpr):
+    """The ``n`` largest of ``keys`` (distinct), descending, in a ``[TOPK_PAD]`` list padded
+    with the no-key value."""
+    top = tl.full([TOPK_PAD], -9223372036854775807, tl.int64)
+    for i in range(n):
+        best = tl.max(keys, axis=0)
+        top = tl.where(kk == i, best, top)
+        keys = tl.where(keys == best, -9223372036854775807, keys)
+    return top
+
+
+@triton.jit
+def _merge_tops(a, b, n, kk, TOPK_PAD: tl.constexpr):
+    """The ``n`` largest of two ``[TOPK_PAD]`` top lists (their keys distinct), descending."""
+    top = tl.full([TOPK_PAD], -9223372036854775807, tl.int64)
+    for i in range(n):
+        best = tl.maximum(tl.max(a, axis=0), tl.max(b, axis=0))
+        top = tl.where(kk == i, best, top)
+        a = tl.where(a == best, -9223372036854775807, a)
+        b = tl.where(b == best, -9223372036854775807, b)
+    return top
+
+
+@triton.jit(do_not_specialize=["NCAND"])
 def _merge_kernel(
-    part_ptr, pos_ptr, slot_ptr, out_ptr, stride_out_h, stride_out_t, page_size,
-    HIDX: tl.constexpr, NCAND: tl.constexpr, BLOCK_C: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    part_ptr, pos_ptr, slot_ptr, out_ptr, stride_out_h, stride_out_t, page_size, NCAND,
+    HIDX: tl.constexpr, BLOCK_C: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr,
 ):
+    """The best ``TOPK - 1`` of a row's ``NCAND`` candidates (a runtime count, so one build
+    serves every context length), streamed in pieces of ``BLOCK_C``: each piece's best list
+    merges into the running one (one piece: a single selection, as before pieces)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     ok = slot >= 0
     local = tl.load(pos_ptr + t).to(tl.int32) // page_size
     n_other = tl.where(ok, tl.minimum(local, TOPK - 1), -1)  # non-local blocks to pick
-    ci = tl.arange(0, BLOCK_C)
-    written = (ci < NCAND) & ok & ((ci // KP) * CHUNK <= local)  # chunks the partial kernel ran
-    keys = tl.load(part_ptr + (t.to(tl.int64) * HIDX + h) * NCAND + ci, mask=written, other=-9223372036854775807)
     kk = tl.arange(0, TOPK_PAD)
-    res = tl.full([TOPK_PAD], -1, tl.int32)
-    for i in range(n_other):
-        best = tl.max(keys, axis=0)
-        res = tl.where(kk == i, 0x7FFFFFFF - best.to(tl.int32), res)  # low word: 2**31 - 1 - id
-        keys = tl.where(keys == best, -9223372036854775807, keys)
+    ci = tl.arange(0, BLOCK_C)
+    row = part_ptr + (t.to(tl.int64) * HIDX + h) * NCAND
+    n_written = tl.where(ok, tl.minimum(NCAND, (local // CHUNK + 1) * KP), 0)  # chunks the partial kernel ran
+    best = _top_keys(tl.load(row + ci, mask=ci < n_written, other=-9223372036854775807), n_other, kk, TOPK_PAD)
+    for c0 in range(BLOCK_C, n_written, BLOCK_C):
+        keys = tl.load(row + c0 + ci, mask=c0 + ci < n_written, other=-9223372036854775807)
+        best = _merge_tops(best, _top_keys(keys, n_other, kk, TOPK_PAD), n_other, kk, TOPK_PAD)
+    res = tl.where((kk < n_other) & (best > -9223372036854775807), 0x7FFFFFFF - best.to(tl.int32), -1)
     res = tl.where(kk == n_other, local, res)
     tl.store(out_ptr + h * stride_out_h + t.to(tl.int64) * stride_out_t + kk, res, mask=kk < TOPK)
 
@@ -159,39 +209,55 @@ def _check(iq: Tensor, index_k_l: Tensor, out: Tensor, topk: int, page_size: int
                          f"got {out.dtype} {tuple(out.shape)}")
 
 
+def merge_piece(num_candidates: int, stable: bool) -> int:
+    """Candidates the merge selects from at a time: ``stable`` (a prefill, whose candidate
+    count grows with the context) a fixed 128, so one build serves every length; otherwise
+    (decode graphs, a fixed count per graph) all of them in one piece, up to 512."""
+    return 128 if stable else min(512, max(16, next_pow2(num_candidates)))
+
+
 def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
-            num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None) -> None:
+            num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None, keep_all: bool = False,
+            single_tiles: Tensor | None = None) -> None:
     """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row.
 
     The partial kernel runs the fixed grid of ``cdiv(T, block_t)`` token tiles, or with
     ``tiles`` (``int32 [n, 2]``, checked by the caller) one program per ``(start, end)`` row
-    range; those must cover every row ``< T``: the merge reads every row's candidates.
+    range, and with ``single_tiles`` a second launch of one-row tiles at ``BLOCK_T = 1``;
+    together they must cover every row ``< T``: the merge reads every row's candidates.
+    ``keep_all``: the partial kernel keeps every block of its chunk as a candidate
+    (``KP = chunk``, no partial selection: small chunks at long context).
     """
     check_device("index top-k", iq, index_k_l, out, *([] if tiles is None else [tiles]))
     if chunk < 1 or chunk & (chunk - 1) or block_t < 1:
         raise ValueError(f"chunk must be a power of two and block_t >= 1, got chunk={chunk}, block_t={block_t}")
     programs = triton.cdiv(T, block_t) if tiles is None else tiles.shape[0]
-    if T == 0 or programs == 0:
+    singles = 0 if single_tiles is None else single_tiles.shape[0]
+    if T == 0 or programs + singles == 0:
         return
     buf, H, Di = meta.buffers, iq.shape[1], iq.shape[2]
     nc = triton.cdiv(max(num_blocks, 1), chunk)
-    kp = max(1, min(topk - 1, chunk))
+    kp = chunk if keep_all else max(1, min(topk - 1, chunk))
     part = torch.empty((T, H, nc, kp), dtype=torch.int64, device=iq.device)
     # fp32 dots: the interpreter's bf16 dot is wrong, and fp32 inputs should not drop to tf32
     dot_f32 = interpreting() or iq.dtype == torch.float32
-    block_m = pad_dim(block_t * H)
-    _partial_kernel[(programs, nc)](
-        iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
-        meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
-        buf.slot_mapping, part, T, meta.page_size, nc, buf.token_seq if tiles is None else tiles,
-        HIDX=H, DI=Di, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=pad_dim(meta.page_size),
-        BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32, TILED=tiles is not None,
-        num_warps=4 if block_m <= 64 else 8, num_stages=3,
-    )
+    for bt, n, rows in ((block_t, programs, tiles), (1, singles, single_tiles)):
+        if n == 0:
+            continue
+        block_m = pad_dim(bt * H)
+        _partial_kernel[(n, nc)](
+            iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
+            meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
+            buf.slot_mapping, part, T, meta.page_size, nc, buf.token_seq if rows is None else rows,
+            HIDX=H, DI=Di, BLOCK_T=bt, BLOCK_M=block_m, BLOCK_N=pad_dim(meta.page_size),
+            BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32, TILED=rows is not None,
+            FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
+            num_warps=4 if block_m <= 64 else 8, num_stages=3,
+        )
+    block_c = merge_piece(nc * kp, stable=keep_all)
     _merge_kernel[(T, H)](
-        part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size,
-        HIDX=H, NCAND=nc * kp, BLOCK_C=max(16, next_pow2(nc * kp)), TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
-        CHUNK=chunk, KP=kp, num_warps=1 if nc * kp <= 512 else 4,
+        part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size, nc * kp,
+        HIDX=H, BLOCK_C=block_c, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)), CHUNK=chunk, KP=kp, num_warps=1,
     )
 
 
@@ -266,21 +332,34 @@ def index_topk_prefill(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, t
     _launch(iq, index_k_l, meta, out, topk, T, num_blocks, block_t, chunk, tiles)
 
 
+def tile_block_t(num_index_heads: int) -> int:
+    """Tokens per request-aligned prefill tile: 128 rows of ``tl.dot`` (tokens x index heads).
+    A long-context chunk's tiles each stream the whole index-K of the request, so the bytes
+    read fall with the tile size (at 64K context a 1024-token chunk re-reads 16 MB per tile)."""
+    return max(1, 128 // num_index_heads)
+
+
+# Key blocks per partial program of a tiled prefill: every block of the chunk is kept as a
+# candidate (no partial selection), and the chunk is fixed, so one build serves every context.
+TILED_CHUNK = 8
+
+
 def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
                              tiles: StepTiles, chunk: int | None = None) -> None:
     """:func:`index_topk_prefill` over a step's request-aligned tiles (same outputs).
 
-    The multi-token requests' tiles run ``tiles.block_t`` tokens per program, sharing every
-    index-K tile they load; the one-token requests' tiles are one-row tiles of the same
-    launch. The partial kernel has no per-token fast path to gain from ``BLOCK_T = 1``
-    (its program is load-bound on index-K whatever its row count, and ``tl.dot`` pads rows
-    to 16 anyway: at rank-of-8 shapes, one index head, both programs are the same), so one
-    launch beats two: no second launch, no second wave tail. Then one merge over all rows.
+    The multi-token requests' tiles run ``tiles.block_t`` tokens per program (plan them with
+    :func:`tile_block_t`), sharing every index-K tile they load; the one-token requests run a
+    second partial launch at ``BLOCK_T = 1`` (a one-row program in a 128-row tile would
+    multiply 127 empty rows per block). Every block of a partial program's chunk
+    (:data:`TILED_CHUNK`) is kept as a candidate, and one merge over all rows streams them:
+    at long context the partial selection's ``topk - 1`` passes over ``[rows, chunk]`` keys
+    cost more than the dots, and fixed sizes mean no new build as contexts grow.
 
     Args:
         iq, index_k_l, meta, topk, out: as :func:`index_topk_prefill`.
         tiles: this step's :class:`StepTiles` (planned from ``meta.qo_indptr_host``).
-        chunk: key blocks per program; default :func:`decode_chunk` of the tile count.
+        chunk: key blocks per program (power of two); default :data:`TILED_CHUNK`.
 
     Raises:
         ValueError: as :func:`index_topk_prefill`, or ``tiles`` planned for another token count.
@@ -295,9 +374,9 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
     bt = tiles.block_t
     check_tile_rows(tiles.rows, bt, T)
     num_blocks = triton.cdiv(meta.max_kv_len, meta.page_size)
-    chunk = chunk or decode_chunk(tiles.rows.shape[0], num_blocks, iq.device)
-    # all one-token tiles (a decode-only step): the small one-token program
-    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, bt if tiles.num_multi else 1, chunk, tiles.rows)
+    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, bt, chunk or TILED_CHUNK, tiles.multi, keep_all=True,
+            single_tiles=tiles.single)
 
 
-__all__ = ["decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill", "index_topk_prefill_tiled"]
+__all__ = ["TILED_CHUNK", "decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill",
+           "index_topk_prefill_tiled", "merge_piece", "tile_block_t"]

@@ -56,8 +56,8 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, page, blk, rows, pos, page_siz
     v = tl.load(v_ptr + p64 * stride_v_p + n[:, None] * stride_v_s + d[None, :], mask=kv_mask, other=0.0)
     if DOT_F32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+    else:  # an fp8 cache is widened to the queries' dtype (a no-op for a bf16 cache)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
     j = blk * page_size + n
     vis = rows[:, None] & (j[None, :] <= pos[:, None]) & (n[None, :] < page_size)
     s = tl.where(vis, s, float("-inf"))
@@ -69,21 +69,23 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, page, blk, rows, pos, page_siz
     if DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
 
 
-@triton.jit
+# Step-varying counts unspecialised and tile rows not on alignment: one build per path serves
+# every prefill step (see indexer._partial_kernel).
+@triton.jit(do_not_specialize=["T", "BPS"], do_not_specialize_on_alignment=["tiles_ptr"])
 def _attn_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_ptr, v_ptr, stride_k_p, stride_k_s, stride_k_h, stride_v_p, stride_v_s, stride_v_h,
     sel_ptr, stride_sel_h, stride_sel_t,
     bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
     out_ptr, stride_o_t, stride_o_h, po_ptr, plse_ptr,
-    T, page_size, qk_scale, BPS, tiles_ptr,
+    T, page_size, qk_scale, BPS, tiles_ptr, scratch_ptr,
     G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
-    DENSE: tl.constexpr, DOT_F32: tl.constexpr, TILED: tl.constexpr = False,
+    DENSE: tl.constexpr, DOT_F32: tl.constexpr, TILED: tl.constexpr = False, BT_PAD: tl.constexpr = 1,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -141,8 +143,11 @@ def _attn_kernel(
                                           page_size, qk_scale, stride_k_p, stride_k_s, stride_v_p, stride_v_s,
                                           D, BLOCK_N, BLOCK_D, DOT_F32)
     else:
-        # A tile of tokens: visit each token's selected pages; a page an earlier token of the
-        # tile selected was already attended for every row whose selection holds it.
+        # A tile of tokens attends the union of its tokens' selected pages, each page once,
+        # every row masked to the pages of its own selection. The union (first occurrences of
+        # the tile's [tokens, k] page ids, in order) goes through this program's scratch rows:
+        # raw ids, then the unique pages and their logical blocks, so the visit loop is a
+        # plain loop of loads the compiler can pipeline.
         kk = tl.arange(0, K_PAD)
         k_lo = sp * BPS
         k_hi = tl.minimum(k_lo + BPS, TOPK)
@@ -150,23 +155,40 @@ def _attn_kernel(
         sel = tl.load(sel_ptr + g * stride_sel_h + tok64[:, None] * stride_sel_t + kk[None, :],
                       mask=row_ok[:, None] & in_split[None, :], other=-1)
         pages = tl.load(bt_ptr + srow[:, None] * stride_bt + sel, mask=sel >= 0, other=-1)  # [BLOCK_M, K_PAD]
-        fidx = i_r[:, None] * K_PAD + kk[None, :]
-        for i in range(n_rows):
-            t_i = t_lo + i
-            ok_i = t_i < t_hi
-            ok_i = ok_i & (tl.load(slot_ptr + t_i, mask=ok_i, other=-1) >= 0)
-            seq_i = tl.load(token_seq_ptr + t_i, mask=ok_i, other=0)
-            srow_i = tl.load(table_rows_ptr + seq_i, mask=ok_i, other=0).to(tl.int64)
-            for k in range(k_lo, k_hi):
-                blk = tl.load(sel_ptr + g * stride_sel_h + t_i.to(tl.int64) * stride_sel_t + k, mask=ok_i, other=-1)
-                page = tl.load(bt_ptr + srow_i * stride_bt + blk, mask=blk >= 0, other=-1)
-                dup = tl.max(tl.max(tl.where((pages == page) & (fidx < i * K_PAD + k), 1, 0), axis=1), axis=0)
-                page = tl.where(dup > 0, -1, page)
-                if page >= 0:  # skipping (not masking) saves the two dots of repeated pages
-                    rows = row_ok & (tl.max(tl.where(pages == page, 1, 0), axis=1) > 0)
-                    m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, blk, rows, pos,
-                                                  page_size, qk_scale, stride_k_p, stride_k_s, stride_v_p,
-                                                  stride_v_s, D, BLOCK_N, BLOCK_D, DOT_F32)
+        tt = tl.arange(0, BT_PAD)
+        tok_t = t_lo + tt
+        ok_t = (tt < n_rows) & (tok_t < t_hi)
+        ok_t = ok_t & (tl.load(slot_ptr + tok_t, mask=ok_t, other=-1) >= 0)
+        srow_t = tl.load(table_rows_ptr + tl.load(token_seq_ptr + tok_t, mask=ok_t, other=0), mask=ok_t, other=0)
+        blk_t = tl.load(sel_ptr + g * stride_sel_h + tok_t.to(tl.int64)[:, None] * stride_sel_t + kk[None, :],
+                        mask=ok_t[:, None] & in_split[None, :], other=-1)
+        page_t = tl.load(bt_ptr + srow_t.to(tl.int64)[:, None] * stride_bt + blk_t, mask=blk_t >= 0, other=-1)
+        NE: tl.constexpr = BT_PAD * K_PAD
+        e = tl.arange(0, NE)
+        flat_p = tl.reshape(page_t, [NE])
+        flat_b = tl.reshape(blk_t, [NE])
+        scr = scratch_ptr + (tile * tl.num_programs(1) + g).to(tl.int64) * (3 * NE)
+        tl.store(scr + e, flat_p)
+        tl.debug_barrier()  # the raw ids are read back by other threads of the program
+        seen = tl.zeros([NE], tl.int32)
+        for j0 in tl.static_range(0, NE, 16):  # [NE, 16] compares at a time (not [NE, NE] registers)
+            jj = j0 + tl.arange(0, 16)
+            pj = tl.load(scr + jj)
+            seen = tl.maximum(seen, tl.max(((flat_p[:, None] == pj[None, :]) & (jj[None, :] < e[:, None])).to(tl.int32),
+                                           axis=1))
+        first = (flat_p >= 0) & (seen == 0)
+        at = tl.cumsum(first.to(tl.int32), axis=0) - 1
+        n_u = tl.sum(first.to(tl.int32), axis=0)
+        tl.store(scr + NE + at, flat_p, mask=first)
+        tl.store(scr + 2 * NE + at, flat_b, mask=first)
+        tl.debug_barrier()
+        for u in range(n_u):
+            page = tl.load(scr + NE + u)
+            blk = tl.load(scr + 2 * NE + u)
+            rows = row_ok & (tl.max(tl.where(pages == page, 1, 0), axis=1) > 0)
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, blk, rows, pos,
+                                          page_size, qk_scale, stride_k_p, stride_k_s, stride_v_p,
+                                          stride_v_s, D, BLOCK_N, BLOCK_D, DOT_F32)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     dmask = row_ok[:, None] & (d[None, :] < D)
@@ -252,6 +274,11 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         po = plse = out  # unused
     sel_t = sel if sel is not None else meta.block_tables  # any int32 tensor: unused in dense mode
     block_m = pad_dim(block_t * G)
+    k_pad = max(2, next_pow2(topk))
+    bt_pad = max(next_pow2(block_t), triton.cdiv(16, k_pad))  # >= 16 (token, k) entries: the union's compares
+    # multi-token tiles: per program, the raw page ids and the union's pages and blocks
+    scratch = (torch.empty(programs * Hkv * 3 * bt_pad * k_pad, dtype=torch.int32, device=q.device)
+               if block_t > 1 else buf.token_seq)
     _attn_kernel[(programs, Hkv, nsplit)](
         q, q.stride(0), q.stride(1),
         k_cache_l, v_cache_l, k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
@@ -259,11 +286,11 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         sel_t, sel_t.stride(0), sel_t.stride(1),
         meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
         buf.slot_mapping, out, out.stride(0), out.stride(1), po, plse,
-        T, meta.page_size, scale * _LOG2E, bps, buf.token_seq if tiles is None else tiles,
-        G=G, D=D, TOPK=topk, K_PAD=max(2, next_pow2(topk)), BLOCK_T=block_t, BLOCK_M=block_m,
+        T, meta.page_size, scale * _LOG2E, bps, buf.token_seq if tiles is None else tiles, scratch,
+        G=G, D=D, TOPK=topk, K_PAD=k_pad, BLOCK_T=block_t, BLOCK_M=block_m,
         BLOCK_N=pad_dim(meta.page_size), BLOCK_D=block_d, NSPLIT=nsplit, DENSE=dense,
         DOT_F32=interpreting() or q.dtype == torch.float32,  # interpreter bf16 dot is wrong; fp32: no tf32
-        TILED=tiles is not None,
+        TILED=tiles is not None, BT_PAD=bt_pad,
         num_warps=4 if block_m <= 64 else 8, num_stages=2,
     )
     if nsplit > 1:
@@ -372,6 +399,9 @@ def sparse_attention_prefill_tiled(q: Tensor, k_cache_l: Tensor, v_cache_l: Tens
     _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, 1, topk, False, tiles.single)
 
 
+PREFILL_DENSE_SPLITS = 16  # programs per (token, kv head) of the fallback's prefill steps
+
+
 def dense_attention_triton(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, meta: AttentionMetadata, out: Tensor,
                            scale: float, graph_safe: bool) -> None:
     """FALLBACK dense causal GQA (one token per program, split-K over key blocks).
@@ -383,10 +413,18 @@ def dense_attention_triton(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, meta
     """
     T = q.shape[0] if graph_safe else meta.num_tokens
     _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
-    blocks = meta.block_tables.shape[1] if graph_safe else triton.cdiv(meta.max_kv_len, meta.page_size)
-    nsplit = min(64, decode_splits(T * k_cache_l.shape[2], blocks, q.device))
-    bps = triton.cdiv(blocks, nsplit)
-    _launch(q, k_cache_l, v_cache_l, None, meta, out, scale, T, 1, triton.cdiv(blocks, bps), bps, True)
+    if graph_safe:
+        blocks = meta.block_tables.shape[1]
+        nsplit = min(64, decode_splits(T * k_cache_l.shape[2], blocks, q.device))
+        bps = triton.cdiv(blocks, nsplit)
+        nsplit = triton.cdiv(blocks, bps)
+    else:
+        # A fixed split count (a constexpr) and a runtime share of the context per split: one
+        # build serves every prefill step, where splits sized from the step would build anew
+        # whenever its token count or context moved to another split count.
+        nsplit = PREFILL_DENSE_SPLITS
+        bps = triton.cdiv(max(triton.cdiv(meta.max_kv_len, meta.page_size), 1), nsplit)
+    _launch(q, k_cache_l, v_cache_l, None, meta, out, scale, T, 1, nsplit, bps, True)
 
 
 __all__ = [

@@ -24,7 +24,7 @@ tile size (the indexer's and the attention's defaults differ)::
 
     idx_planner = TilePlanner(max_tokens, device)                       # once
     att_planner = TilePlanner(max_tokens, device)
-    idx_tiles = idx_planner.plan(meta.qo_indptr_host, indexer.default_block_t(num_kv_heads))  # per step
+    idx_tiles = idx_planner.plan(meta.qo_indptr_host, indexer.tile_block_t(num_kv_heads))  # per step
     att_tiles = att_planner.plan(meta.qo_indptr_host, sparse.default_block_t(num_qo_heads // num_kv_heads))
     indexer.index_topk_prefill_tiled(iq, index_k_l, meta, topk, topk_buf, idx_tiles)  # per layer
     sparse.sparse_attention_prefill_tiled(q, k_l, v_l, topk_buf, meta, out, scale, att_tiles)

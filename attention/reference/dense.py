@@ -2,6 +2,10 @@
 
 Also holds the two helpers the sparse reference shares: gathering one sequence's keys from
 its pages, and masked exact softmax attention.
+
+Caches of any storage dtype (bf16, fp32, fp8 e4m3 with unit scale, ...) are read the same way:
+gather in the storage dtype, then upcast to the compute dtype (fp32, or fp64 for fp64
+queries). fp8 -> fp32 is exact, so the references compute on exactly the stored values.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ def paged_gather(cache_l: torch.Tensor, block_tables: torch.Tensor, table_row: i
     page = cache_l.shape[1]
     npages = -(-length // page)
     pages = block_tables[table_row, :npages].long()
-    return cache_l.index_select(0, pages).reshape(npages * page, *cache_l.shape[2:])[:length]
+    src = cache_l
+    if src.element_size() == 1 and src.dtype.is_floating_point:
+        src = src.view(torch.uint8)  # fp8: move the bytes (index kernels do not cover fp8 on every device)
+    out = src.index_select(0, pages).reshape(npages * page, *cache_l.shape[2:])[:length]
+    return out.view(cache_l.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:

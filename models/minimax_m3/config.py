@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from common.values import as_float, int_tuple, is_int
-from kvcache.paged import KVCacheConfig
+from kvcache.paged import KVCacheConfig, cache_dtype
 
 from .hf_config import read_config_json, translate_hf
 from .mxfp8 import MXFP8Config, as_quantization, check_block_alignment
@@ -196,16 +196,25 @@ class MiniMaxM3Config:
         table_row_headroom: int | None = None,
         capture_rows: int = 0,
         capture_pages: int = 0,
+        kv_dtype: torch.dtype | str | None = None,
     ) -> KVCacheConfig:
         """The paged-cache sizes this model needs (kv heads, head dims, sparse layers, page
-        size = sparse block). ``dtype``/``index_dtype`` default to the model dtype;
-        ``capture_rows``/``capture_pages`` reserve room for capture's dummy steps.
+        size = sparse block). ``dtype`` (main K/V) and ``index_dtype`` (index-K) default to the
+        model dtype; ``kv_dtype`` sets both at once (a dtype or a name: ``"fp8"`` is e4m3 with
+        unit scale, see ``kvcache.paged``), and ``index_dtype`` still overrides the index-K
+        part; ``capture_rows``/``capture_pages`` reserve room for capture's dummy steps.
 
         Raises:
-            ValueError: ``page_size`` given and different from ``sparse_block_size``.
+            ValueError: ``page_size`` given and different from ``sparse_block_size``; both
+                ``kv_dtype`` and ``dtype`` given; an unsupported cache dtype.
         """
         if page_size is not None:
             self.check_page_size(page_size)
+        if kv_dtype is not None:
+            if dtype is not None:
+                raise ValueError(f"kv_cache_config got kv_dtype={kv_dtype!r} and dtype={dtype!r}; give kv_dtype "
+                                 f"(main K/V and index-K) or dtype/index_dtype (each cache), not both")
+            dtype = cache_dtype(kv_dtype)
         dt = dtype or self.torch_dtype
         return KVCacheConfig(
             num_layers=self.num_hidden_layers, sparse_layers=self.sparse_layers,

@@ -9,8 +9,10 @@ no branch, handing each op what it needs (the op table never reaches into the mo
 Ops (``T`` tokens, hidden ``H``):
     norm_rope_write(qkv, positions, inv_freq, slot_mapping, layout, norms, cache, layer, q_out,
         iq_out): per-head Gemma norms of q, k (and iq, ik), partial NeoX RoPE, K/V (and index-K)
-        cache writes of ``layer`` (slot -1 writes nothing); ``q_out [T, Hq, D]`` and
-        ``iq_out [T, Hidx, Di]`` (or None) receive the normed, rotated queries.
+        cache writes of ``layer`` (slot -1 writes nothing) in the cache's dtypes (an fp8 e4m3
+        cache stores ``x.clamp(-448, 448)`` cast, both implementations bit for bit alike given
+        the same fp32 values: ``kvcache.paged.to_cache_dtype``); ``q_out [T, Hq, D]`` and
+        ``iq_out [T, Hidx, Di]`` (or None) receive the normed, rotated queries (model dtype).
     rmsnorm(x, weight, eps) -> ``[T, H]``: Gemma RMSNorm (the first layer's input norm).
     add_rmsnorm(x, residual, weight, eps) -> (normed, residual): ``residual += x``, then the
         norm of the sum; the fused kernel works in place (flashinfer's semantics: the norm
@@ -54,7 +56,8 @@ MOE_IMPLS = ("auto", "grouped", "loop")
 def norm_rope_write_torch(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                           slot_mapping: torch.Tensor, layout: QKVLayout, norms: HeadNorms, cache: PagedKVCache,
                           layer: int, q_out: torch.Tensor, iq_out: torch.Tensor | None) -> None:
-    """The plain-torch producer: ``norm_rope_torch`` then ``PagedKVCache.write`` (capturable)."""
+    """The plain-torch producer: ``norm_rope_torch`` then ``PagedKVCache.write`` (capturable),
+    which casts the fp32 K, index-K and raw V into the cache dtypes (clamped for fp8)."""
     r = norm_rope_torch(qkv, positions, layout, inv_freq, *norms)
     cache.write(layer, slot_mapping, r.k, r.v, r.ik)
     q_out.copy_(r.q)

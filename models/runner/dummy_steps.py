@@ -63,9 +63,12 @@ class DummySteps:
         """A step of ``key.rows`` tokens over private requests (freed by the next ``build`` or by
         ``release``).
 
-        ``Purpose.CAPTURE``: token 0, every row real, one chunk (a decode graph: request ``i``
-        at capture position ``i``). ``Purpose.VALIDATE``: random tokens, other positions
-        (reversed, from the top), two chunks for a piecewise graph, every row real.
+        ``Purpose.CAPTURE``: token 0, every row real (a decode graph: request ``i`` at capture
+        position ``i``; a piecewise graph of >= 3 rows with ``max_seqs >= 2``: a chunk and a
+        one-token request, the mix a serving step has, so the warm-up builds the eager
+        splices' kernels for both).
+        ``Purpose.VALIDATE``: random tokens, other positions (reversed, from the top), two
+        chunks for a piecewise graph, every row real.
         ``Purpose.FROZEN_CHECK``: validation data with a quarter fewer real tokens, so that a
         host value of the step baked into a graph differs from the capture's.
 
@@ -83,7 +86,10 @@ class DummySteps:
         if key.decode:
             spans = [(i if not other else rows - 1 - i, 1) for i in range(n)]  # request i at capture position i
         else:
-            cuts = [0, n] if not other or n < 2 else [0, n // 2, n]
+            if other:
+                cuts = [0, n] if n < 2 else [0, n // 2, n]
+            else:
+                cuts = [0, n - 1, n] if n >= 3 and self.max_seqs >= 2 else [0, n]
             spans = [(a, b - a) for a, b in zip(cuts, cuts[1:])]
         ps = self.cache.page_size
         spans = fit_windows(spans, ps, self.cache.config.max_seq_len)

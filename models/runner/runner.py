@@ -39,6 +39,7 @@ from common.deprecation import warn_renamed
 from common.values import is_int
 from graphcap import CaptureConfig, CaptureManager, GraphKey, InputSpec, StaticInputs, Step
 from graphcap.startup.compile_ahead import default_workers
+from graphcap.startup.compile_counter import CompileEvent, compile_counter
 from kvcache.paged import PagedKVCache
 from steps import TokenChunk, TokenFeed
 
@@ -82,6 +83,8 @@ class ModelRunner:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.kernel_prebuild = KernelPrebuild(default_workers())  # shared by with_capture twins
         self.manager = self._make_manager(capture or CaptureConfig(max_tokens=max_tokens))
+        # Positions of the process's compile counter when capture() began and returned.
+        self._compile_marks: tuple[int, int] | None = None
 
     def _make_manager(self, capture: CaptureConfig) -> CaptureManager:
         if capture.max_tokens > self.max_tokens:
@@ -112,6 +115,7 @@ class ModelRunner:
         (e.g. eager and graphed side by side on one set of weights)."""
         other = copy.copy(self)
         other.manager = other._make_manager(capture)
+        other._compile_marks = None  # "after capture" means after the twin's own capture
         return other
 
     @property
@@ -210,8 +214,30 @@ class ModelRunner:
     def capture(self) -> None:
         """Prebuild, warm up and capture every graph (GPU; debug-eager: probe the decode graphs
         and arm invalidation). Call before admitting requests: warm-up and capture run on
-        private dummy requests on the cache's capture reserve."""
+        private dummy requests on the cache's capture reserve. Triton compiles are counted
+        from here on (``compiles_during_capture``, ``compiles_after_capture``)."""
+        counter = compile_counter()
+        counter.install()  # again: a tool may have taken Triton's listener slot since
+        start = counter.count
         self.manager.capture()
+        self._compile_marks = (start, counter.count)
+
+    def compiles_during_capture(self) -> list[CompileEvent]:
+        """Triton builds and disk-cache loads of the last ``capture()``: compile-ahead, kernel
+        choices and warm-up (empty before a capture)."""
+        if self._compile_marks is None:
+            return []
+        start, end = self._compile_marks
+        return compile_counter().since(start)[: end - start]
+
+    def compiles_after_capture(self, start: int = 0) -> list[CompileEvent] | None:
+        """Triton builds and disk-cache loads since ``capture()`` returned, from the
+        ``start``-th on (``None`` before a capture). Each stalled a step: every kernel a
+        serving step needs should be built by then. The counter is the process's: it also
+        counts another runner's or thread's compiles of that time (a recapture's included)."""
+        if self._compile_marks is None:
+            return None
+        return compile_counter().since(self._compile_marks[1] + start)
 
     def validate(self) -> dict[GraphKey, str]:
         """Replay vs eager per graph on validation data, then frozen-value detection when the

@@ -176,6 +176,24 @@ def test_tiled_indexer_matches_reference_and_untiled(name, block_t):
     assert torch.equal(out, untiled)
 
 
+def test_tiled_indexer_long_context_full_pages_and_merge_pieces(monkeypatch):
+    """Pages that fill the key tile (16 positions: the unmasked loop over wholly visible blocks
+    runs beside the masked one) over a dozen blocks, with the merge streaming its candidates
+    in pieces of 8 (several pieces per row); the chunk given (4 blocks) and the default.
+    Equals the reference and the untiled kernel."""
+    piece = 8
+    monkeypatch.setattr(indexer_triton, "merge_piece", lambda n, stable: piece)
+    sc = Scenario([(150, 1), (200, 37), (90, 1)], hq=4, hkv=2, d=16, bs=16, topk=5, seed=5)
+    ref = sc.ref_selection()
+    for chunk in (4, None):
+        out = sc.poisoned_sel()
+        indexer_triton.index_topk_prefill_tiled(sc.iq, sc.ik, sc.meta, sc.topk, out, sc.tiles(8), chunk)
+        assert torch.equal(out[:, : sc.T], ref), f"chunk {chunk}, merge piece {piece}"
+    untiled = sc.poisoned_sel()
+    indexer_triton.index_topk_prefill(sc.iq, sc.ik, sc.meta, sc.topk, untiled, block_t=1, chunk=4)
+    assert torch.equal(untiled[:, : sc.T], ref)
+
+
 @pytest.mark.parametrize(("name", "block_t"), SPARSE_RUNS)
 def test_tiled_sparse_matches_reference_and_untiled(name, block_t):
     sc = Scenario(CASES[name], hq=4, hkv=2, d=16, bs=4, topk=3, seed=list(CASES).index(name) * 10 + 50 + block_t)
@@ -262,7 +280,7 @@ def _partial(bt, h, chunk, tiled):
 def _attn(bt, g, tiled):
     bm = max(16, 1 << (bt * g - 1).bit_length())
     c = {"G": g, "D": 128, "TOPK": 16, "K_PAD": 16, "BLOCK_T": bt, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_D": 128,
-         "NSPLIT": 1, "DENSE": False, "DOT_F32": False, "TILED": tiled}
+         "NSPLIT": 1, "DENSE": False, "DOT_F32": False, "TILED": tiled, "BT_PAD": 1 << (bt - 1).bit_length()}
     return ["attention.kernels.sparse", "_attn_kernel", c, ATTN_PTRS, ["qk_scale"], 4 if bm <= 64 else 8, 2]
 
 

@@ -146,18 +146,23 @@ IDX_PTRS = dict(bt_ptr="i32", table_rows_ptr="i32", token_seq_ptr="i32", pos_ptr
 
 
 def test_kernels_compile_for_hopper():
-    def partial(bt, h, chunk, di=128, bn=128, f32=False):
+    def partial(bt, h, chunk, di=128, bn=128, f32=False, keep_all=False):
         bm = max(16, 1 << (bt * h - 1).bit_length())
-        c = dict(HIDX=h, DI=di, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=di, CHUNK=chunk, KP=min(15, chunk),
-                 DOT_F32=f32)
+        c = dict(HIDX=h, DI=di, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=di, CHUNK=chunk,
+                 KP=chunk if keep_all else min(15, chunk), DOT_F32=f32, TILED=keep_all, FULL_PAGE=bn == 128)
         ptrs = dict(IDX_PTRS, **({"iq_ptr": "fp32", "ik_ptr": "fp32"} if f32 else {}))
         return ["attention.kernels.indexer", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8, 3]
 
-    merge = dict(HIDX=4, NCAND=4096, BLOCK_C=4096, TOPK=16, TOPK_PAD=16, CHUNK=64, KP=15)
+    def merge(block_c):
+        c = dict(HIDX=1, BLOCK_C=block_c, TOPK=16, TOPK_PAD=16, CHUNK=16, KP=16)
+        return ["attention.kernels.indexer", "_merge_kernel", c, IDX_PTRS, [], 1, 3]
+
+    tiled = partial(indexer_triton.tile_block_t(1), 1, indexer_triton.TILED_CHUNK, keep_all=True)
     cases = [partial(1, 4, 4), partial(16, 4, 64), partial(1, 1, 64), partial(4, 2, 4, di=32, bn=16, f32=True),
-             ["attention.kernels.indexer", "_merge_kernel", merge, IDX_PTRS, [], 4, 3]]
+             tiled, merge(128), merge(512)]
     reports = run_compile_reports(cases)
     assert reports[1]["wgmma"], "the 64-row prefill tile should use Hopper wgmma"
+    assert reports[4]["wgmma"], "the 128-row long-context prefill tile should use Hopper wgmma"
 
 
 # ---- GPU: real shapes -----------------------------------------------------------------------

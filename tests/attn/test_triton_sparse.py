@@ -211,7 +211,7 @@ def test_kernels_compile_for_hopper():
     def attn(bt, g, nsplit, dense=False, d=128, bn=128, f32=False):
         bm = max(16, 1 << (bt * g - 1).bit_length())
         c = dict(G=g, D=d, TOPK=16, K_PAD=16, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, NSPLIT=nsplit, DENSE=dense,
-                 DOT_F32=f32)
+                 DOT_F32=f32, BT_PAD=1 << (bt - 1).bit_length())
         ptrs = dict(ATTN_PTRS,
                     **({"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "out_ptr": "fp32"} if f32 else {}))
         return ["attention.kernels.sparse", "_attn_kernel", c, ptrs, ["qk_scale"], 4 if bm <= 64 else 8, 2]

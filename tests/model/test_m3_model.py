@@ -4,20 +4,17 @@ chunked prefill / decode / mixed batches / padding against each other."""
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 
 import pytest
 import torch
+from helpers.checkpoints import language_model_weights, write_tiny_checkpoint
 from m3_reference import reference_logits
-from safetensors.torch import load_file
 
 from attention import AttentionDims, make_backend
 from graphcap import CaptureConfig, GraphKey, Padding, Purpose, step_context
 from graphcap.splice import call_splice
 from kvcache.paged import PagedKVCache
 from models.minimax_m3 import build_from_checkpoint, build_from_preset
-from models.minimax_m3.checkpoint_writer import write_synthetic_checkpoint
 from models.minimax_m3.config import MiniMaxM3Config
 from models.minimax_m3.model import MiniMaxM3ForCausalLM
 from steps import TokenChunk
@@ -27,17 +24,12 @@ TINY = MiniMaxM3Config.tiny()
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("m3_model")
-    write_synthetic_checkpoint(TINY, folder, seed=7, shard_size_bytes=400_000)
-    return str(folder)
+    return write_tiny_checkpoint(tmp_path_factory, "m3_model", TINY)
 
 
 @pytest.fixture(scope="module")
 def ref_weights(ckpt):
-    w: dict[str, torch.Tensor] = {}
-    for f in glob.glob(os.path.join(ckpt, "*.safetensors")):
-        w.update(load_file(f))
-    return {k[len("language_model."):]: v for k, v in w.items() if k.startswith("language_model.")}
+    return language_model_weights(ckpt)
 
 
 def runner(ckpt, dtype=torch.float32, **kw):

@@ -6,6 +6,10 @@ q (and iq) in place or in caller buffers, normed and rotated K plus raw V in the
 cache, and normed and rotated ik in the index-K cache. Rows with slot ``-1`` (padding) write
 nothing to the caches. It is request-independent, so it is captured inside graph segments.
 
+fp8 caches (``torch.float8_e4m3fn``, unit scale): the kernel stores exactly what
+``kvcache.paged.to_cache_dtype`` stores, ``x.clamp(-448, 448)`` rounded to e4m3 (ties to even),
+from the same fp32 value the bf16 path rounds once.
+
 ``norm_rope_torch`` is the same maths in plain torch (the reference the kernel is tested
 against, and with ``PagedKVCache.write`` the CPU path of ``models.minimax_m3.ops``).
 """
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.triton_utils import check_device, next_pow2
+from kvcache.paged import FP8_E4M3_MAX, check_cache_dtype
 from models.minimax_m3.layers import gemma_rms_normalize
 
 Tensor = torch.Tensor
@@ -187,6 +192,44 @@ def _norm_rope_tile(src_ptr, src_stride_t, t, col0, n_heads, w_ptr, inv_freq_ptr
     return y
 
 
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+
+@triton.jit
+def _e4m3_value(x):
+    """fp32 holding ``x.clamp(-448, 448)`` rounded to the nearest e4m3 value, ties to even (NaN
+    stays NaN): what torch's cast stores, so the final ``.to(fp8)`` is exact.
+
+    Rounded here rather than left to the cast because the Triton interpreter's fp32 -> fp8 cast
+    rounds ties away from zero and drops the mantissa carry (-124 became -64), so CPU tests could
+    not check the kernel bit for bit; on the GPU this is a few ALU ops in a memory-bound kernel,
+    and both paths then store the same bits.
+    """
+    x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    bits = x.to(tl.int32, bitcast=True)
+    # e4m3 keeps 3 mantissa bits: values of binary exponent e lie on a grid of step 2**(e - 3),
+    # and below the smallest normal (2**-6) on the subnormal grid 2**-9.
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
+    # |x| / step < 16 is exact (a power of two). Adding 1.5 * 2**23 leaves no fraction bits, so
+    # fp32's own round-to-nearest-even makes it an integer; subtracting and scaling back are exact.
+    r = ((tl.abs(x) * inv_step + 12582912.0) - 12582912.0) * step
+    # The sign goes back as a bit: negating would turn -0.0 into +0.0 in the interpreter.
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cache_value(x, dst_ptr):
+    """fp32 ``x`` ready for the cast into the cache ``dst_ptr`` points into: clamped and rounded
+    to e4m3 for an fp8 cache (decided at compile time from the pointer type), as is otherwise."""
+    if dst_ptr.dtype.element_ty == tl.float8e4nv:
+        y = _e4m3_value(x)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
 @triton.jit
 def _producer_kernel(
     qkv_ptr, stride_qkv_t, pos_ptr, slot_ptr, inv_freq_ptr,
@@ -224,12 +267,14 @@ def _producer_kernel(
         yk = _norm_rope_tile(qkv_ptr, stride_qkv_t, t, (HQ + hk0) * D, HKV - hk0, kw_ptr, inv_freq_ptr, pos_f, eps,
                              D, ROT, HB, BLOCK_D)
         k_dst = kc_ptr + page * stride_kc_p + poff * stride_kc_s + (hk0 + h) * stride_kc_h + d
+        yk = _cache_value(yk, kc_ptr)
         tl.store(k_dst, yk.to(kc_ptr.dtype.element_ty), mask=(hk0 + h < HKV) & (d < D) & (slot >= 0))
     elif u < NQU + 2 * NKU:
         hv0 = (u - NQU - NKU) * HB
         v_mask = (hv0 + h < HKV) & (d < D)
         v = tl.load(qkv_ptr + t * stride_qkv_t + (HQ + HKV + hv0 + h) * D + d, mask=v_mask, other=0.0)
         v_dst = vc_ptr + page * stride_vc_p + poff * stride_vc_s + (hv0 + h) * stride_vc_h + d
+        v = _cache_value(v, vc_ptr)
         tl.store(v_dst, v.to(vc_ptr.dtype.element_ty), mask=v_mask & (slot >= 0))
     elif u < NQU + 2 * NKU + NIU:
         hi0 = (u - NQU - 2 * NKU) * HB
@@ -241,6 +286,7 @@ def _producer_kernel(
         yik = _norm_rope_tile(qkv_ptr, stride_qkv_t, t, (HQ + 2 * HKV) * D + HIDX * DI, 1, ikw_ptr,
                               inv_freq_ptr, pos_f, eps, DI, ROT, HB, BLOCK_DI)
         ik_dst = ic_ptr + page * stride_ic_p + poff * stride_ic_s + h * 0 + di
+        yik = _cache_value(yik, ic_ptr)
         tl.store(ik_dst, yik.to(ic_ptr.dtype.element_ty), mask=(h == 0) & (di < DI) & (slot >= 0))
 
 
@@ -269,7 +315,9 @@ def norm_rope_cache_write(
         positions: int64 ``[T]``; slot_mapping: int64 ``[T]``, ``-1`` rows write no cache.
         inv_freq: fp32 ``[rotary_dim // 2]`` (see :func:`rope_inv_freq`).
         q_norm, k_norm: ``[head_dim]`` Gemma weights (offsets: the norm uses ``1 + w``).
-        k_cache, v_cache: one layer's ``[num_pages, page_size, num_kv_heads, head_dim]``.
+        k_cache, v_cache: one layer's ``[num_pages, page_size, num_kv_heads, head_dim]``, of a
+            cache dtype (``kvcache.paged.CACHE_DTYPES``; fp8 e4m3 is clamped to +-448 and rounded
+            to nearest even, as ``to_cache_dtype``).
         index_q_norm, index_k_norm: ``[index_dim]``; index_k_cache: one sparse layer's
             ``[num_pages, page_size, index_dim]``; all three required iff ``layout.has_index``.
         q_out: optional ``[T, num_q_heads, head_dim]``; iq_out: optional ``[T, Hidx, index_dim]``.
@@ -323,6 +371,9 @@ def _check_args(qkv: Tensor, positions: Tensor, slot_mapping: Tensor, layout: QK
     if inv_freq.shape != (L.rotary_dim // 2,) or inv_freq.dtype != torch.float32:
         raise ValueError(f"inv_freq must be fp32 [{L.rotary_dim // 2}] (use rope_inv_freq), got "
                          f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache), ("index_k_cache", index_k_cache)):
+        if c is not None:
+            check_cache_dtype(name, c.dtype)
     want = (L.num_kv_heads, L.head_dim)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or tuple(c.shape[2:]) != want or c.stride(3) != 1:
