@@ -138,11 +138,12 @@ def test_gather_reference_matches_sparse_reference():
     assert rel_err(got, sc.sparse_ref(sel)) < 1e-5
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_backend_matches_torch_backend(decode):
+@pytest.mark.parametrize("decode,prefill_attention", [(False, "per_token"), (False, "tiles"), (True, "per_token")])
+def test_backend_matches_torch_backend(decode, prefill_attention):
     specs = [(37, 1), (12, 1), (50, 1)] if decode else [(37, 9), (12, 1), (50, 2)]
     sc = Scenario(specs, 4, 2, 32, 4, 3, seed=50 + decode, dtype=torch.float32)
-    tri, ref = TritonAttention(sc.cache, sc.dims()), TorchAttention(sc.cache, sc.dims())
+    tri = TritonAttention(sc.cache, sc.dims(), prefill_attention=prefill_attention)
+    ref = TorchAttention(sc.cache, sc.dims())
     rows = sc.q.shape[0] if decode else sc.T  # a decode graph carries pad rows
     n, b = sc.T, sc.meta.num_seqs
     padding = Padding.for_graph(n, b, GraphKey(rows, True)) if decode else Padding.unpadded(n, b)
@@ -310,3 +311,9 @@ def test_cuda_graph_replay_with_new_metadata():
     assert rel_err(o_sparse[: sc.T], sc.sparse_ref(sel)) < 1e-2
     assert rel_err(o_dense[: sc.T], sc.dense_ref()) < 1e-2
     assert o_sparse[sc.T :].isnan().all() and o_dense[sc.T :].isnan().all()
+
+
+def test_backend_refuses_an_unknown_prefill_attention():
+    sc = Scenario([(12, 3)], 4, 2, 32, 4, 3, seed=70, dtype=torch.float32)
+    with pytest.raises(ValueError, match="prefill_attention must be one of"):
+        TritonAttention(sc.cache, sc.dims(), prefill_attention="tiled")
