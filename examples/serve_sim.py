@@ -55,7 +55,16 @@ from rich.progress import Progress
 from rich.table import Table
 
 from distributed import group_for_tp
-from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig, make_requests, serve, summarize
+from engine import (
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    SchedulerConfig,
+    compile_figures,
+    make_requests,
+    serve,
+    summarize,
+)
 from graphcap import CaptureConfig
 from graphcap.config import MODES
 from models.minimax_m3 import build_from_checkpoint, build_from_preset
@@ -217,10 +226,11 @@ def compile_events(runner: ModelRunner, warm: Engine, engine: Engine) -> dict:
     """Triton compiles of a mode: during its capture, in the warm-up serving and in the measured
     serving (the last two are after capture: each stalled a step), with what compiled."""
     during = runner.compiles_during_capture()
+    warmup = compile_figures(warm)
     return {"capture_compiles": sum(not e.cached for e in during),
             "capture_disk_loads": sum(e.cached for e in during),
-            "warmup_compiles": sum(not e.cached for e in warm.stats.compiles),
-            "warmup_disk_loads": sum(e.cached for e in warm.stats.compiles),
+            "warmup_compiles": warmup["compiles_after_capture"] or 0,
+            "warmup_disk_loads": warmup["disk_loads_after_capture"] or 0,
             "compile_events": [e.describe() for e in engine.stats.compiles],
             "warmup_compile_events": [e.describe() for e in warm.stats.compiles]}
 

@@ -15,10 +15,9 @@ from kvcache.paged import KVCacheConfig
 
 
 def page_bytes(config: KVCacheConfig) -> int:
-    """Bytes of one page across every layer: main K and V, and index-K on the sparse layers."""
-    kv = 2 * config.num_layers * config.page_size * config.num_kv_heads * config.head_dim * config.dtype.itemsize
-    index = len(config.sparse_layers) * config.page_size * config.index_dim * config.index_dtype.itemsize
-    return kv + index
+    """Bytes of one page across every layer: main K and V, and index-K on the sparse layers
+    (``page_size`` positions of ``KVCacheConfig.bytes_per_token``)."""
+    return config.page_size * config.bytes_per_token
 
 
 @dataclass(frozen=True)
