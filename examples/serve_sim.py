@@ -485,6 +485,18 @@ def main() -> None:
     if spread is not None:
         console.print(spread.describe())
     runs = [(mode, n) for mode in modes for n in (audits if mode != "none" else [0])]
+
+    def write_json(results: list[dict]) -> None:
+        if not args.json or rank != 0:
+            return
+        meta = dict(vars(args), layers=layers, gpu=torch.cuda.get_device_name() if cuda else None,
+                    expert_spread=spread.as_dict() if spread else None,
+                    kv_budgets={f"{w} {kv}": dict(dataclasses.asdict(b), tokens=b.tokens, fits=b.fits,
+                                                  longest_requests=b.longest_requests)
+                                for (w, kv), b in budgets.items()})
+        with open(args.json, "w") as f:
+            json.dump({"args": meta, "results": results}, f, indent=1)
+
     results = []
     against_first = []  # (a later build's result, the first build's of the same run)
     for bi, (weights, kv) in enumerate(builds):
@@ -514,7 +526,9 @@ def main() -> None:
                 against_first.append((r, results[i]))
             console.print(f"{r['mode']}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 "
                           f"{r['ttft_s_p50']:.3f} s, {r['steps']} steps in {r['wall_s']:.1f} s, "
-                          f"{r['compiles_after_capture']} compiles after capture")
+                          f"{r['compiles_after_capture']} compiles after capture, worst chunk step / p50 "
+                          f"{same_context(r['chunk_step_worst_bin'])}")
+            write_json(results)  # after every run: a run cut short by a time box keeps the finished ones
     console.print(table(results))
     for r, first in against_first:
         console.print(f"{r['mode']} vs {first['mode']}: per-user tok/s "
@@ -534,14 +548,6 @@ def main() -> None:
         group.destroy()
     if rank != 0:
         return
-    if args.json:
-        meta = dict(vars(args), layers=layers, gpu=torch.cuda.get_device_name() if cuda else None,
-                    expert_spread=spread.as_dict() if spread else None,
-                    kv_budgets={f"{w} {kv}": dict(dataclasses.asdict(b), tokens=b.tokens, fits=b.fits,
-                                                  longest_requests=b.longest_requests)
-                                for (w, kv), b in budgets.items()})
-        with open(args.json, "w") as f:
-            json.dump({"args": meta, "results": results}, f, indent=1)
     title = plot_title(f"{args.checkpoint or args.preset} ({layers} layers), {args.requests} requests, "
                        + (f"Poisson {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"), cuda)
     if args.plot and not plot(results, args.plot, title):

@@ -53,15 +53,42 @@ def _pack_keys(score, block_id):
 
 
 @triton.jit
-def _block_dot(q, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI: tl.constexpr,
-               DOT_F32: tl.constexpr):
+def _fp8_split(q):
+    """A query tile ``[rows, Di]`` as two e4m3 tiles ``(hi, lo)`` with ``hi + lo ~= q * 2**e``.
+
+    Each row is scaled by its own power of two (its largest entry lands in ``[224, 448)``):
+    a row's scores are only ever compared with each other, so a positive per-row factor
+    leaves its selection unchanged and is never undone. ``hi`` carries e4m3's 4 significant
+    bits, ``lo`` the next 4, so the pair holds about a bf16's 8 and the scores of two fp8
+    dots track bf16 queries' (one fp8 query alone would err by ~2**-4 per entry).
+    """
+    qf = q.to(tl.float32)
+    # The exponent from the bits (``log2`` and ``/`` are approximate on the GPU), as
+    # ``attention.reference.indexer.fp8_query_split`` computes it: amax = m * 2**x with m in
+    # [1, 2); the largest e with amax * 2**e <= 448 = 1.75 * 2**8 is 8 - x, or 7 - x past m = 1.75.
+    bits = tl.max(tl.abs(qf), axis=1).to(tl.int32, bitcast=True)
+    e = 8 - (((bits >> 23) & 0xFF) - 127) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.where(bits > 0, tl.minimum(tl.maximum(e, -126), 127), 0)  # an all-zero (padded) row: 2**0
+    qs = qf * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+    hi = qs.to(tl.float8e4nv)
+    lo = (qs - hi.to(tl.float32)).to(tl.float8e4nv)
+    return hi, lo
+
+
+@triton.jit
+def _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI: tl.constexpr,
+               DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr):
     """Scores ``[rows, keys]`` of the tile's queries against logical block ``b`` (page from
-    the block-table row ``bt_row``); an fp8 cache is widened to the queries' dtype."""
+    the block-table row ``bt_row``). An fp8 cache is read by fp8 tensor-core dots against the
+    ``(q, q_lo)`` pair of :func:`_fp8_split` (``FP8_DOT``; no widening of the keys, which
+    costs more than the bytes fp8 saves), or widened to fp32 under ``DOT_F32``."""
     page = tl.load(bt_row + b)
     kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
                  mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
     if DOT_F32:
         return tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    if FP8_DOT:
+        return tl.dot(q, tl.trans(kt), tl.dot(q_lo, tl.trans(kt)))
     return tl.dot(q, tl.trans(kt.to(q.dtype)))
 
 
@@ -77,6 +104,7 @@ def _partial_kernel(
     HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
     DOT_F32: tl.constexpr, TILED: tl.constexpr = False, FULL_PAGE: tl.constexpr = False,
+    FP8_DOT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     c = tl.program_id(1)
@@ -103,8 +131,11 @@ def _partial_kernel(
         n = tl.arange(0, BLOCK_N)
         q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_h + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < DI), other=0.0)
+        q_lo = q
         if DOT_F32:
             q = q.to(tl.float32)
+        elif FP8_DOT:
+            q, q_lo = _fp8_split(q)
         cols = tl.arange(0, CHUNK)
         S = tl.full([BLOCK_M, CHUNK], float("-inf"), tl.float32)
         # Rows of one tile may belong to several sequences (tiles straddle request boundaries):
@@ -123,11 +154,13 @@ def _partial_kernel(
             b_mid = tl.minimum(b_end, tl.maximum(b0, (p_lo + 1) // page_size)) if FULL_PAGE else b0
             bt_row = bt_ptr + srow.to(tl.int64) * stride_bt
             for b in range(b0, b_mid):
-                sc = _block_dot(q, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32)
+                sc = _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32,
+                                FP8_DOT)
                 bs = tl.where(local == b, float("-inf"), tl.max(sc, axis=1))  # the merge forces the local block
                 S = tl.where((cols[None, :] == b - b0) & in_s[:, None], bs[:, None], S)
             for b in range(b_mid, b_end):
-                sc = _block_dot(q, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32)
+                sc = _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32,
+                                FP8_DOT)
                 j = b * page_size + n
                 vis = in_s[:, None] & (j[None, :] <= pos[:, None]) & (n[None, :] < page_size)
                 bs = tl.max(tl.where(vis, sc, float("-inf")), axis=1)
@@ -241,17 +274,20 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     part = torch.empty((T, H, nc, kp), dtype=torch.int64, device=iq.device)
     # fp32 dots: the interpreter's bf16 dot is wrong, and fp32 inputs should not drop to tf32
     dot_f32 = interpreting() or iq.dtype == torch.float32
+    fp8_dot = not dot_f32 and index_k_l.dtype == torch.float8_e4m3fn
     for bt, n, rows in ((block_t, programs, tiles), (1, singles, single_tiles)):
         if n == 0:
             continue
-        block_m = pad_dim(bt * H)
+        # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
+        # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad a decode row to 64.
+        block_m = pad_dim(bt * H, 64 if fp8_dot else 16)
         _partial_kernel[(n, nc)](
             iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
             meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
             buf.slot_mapping, part, T, meta.page_size, nc, buf.token_seq if rows is None else rows,
             HIDX=H, DI=Di, BLOCK_T=bt, BLOCK_M=block_m, BLOCK_N=pad_dim(meta.page_size),
             BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32, TILED=rows is not None,
-            FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
+            FULL_PAGE=meta.page_size == pad_dim(meta.page_size), FP8_DOT=fp8_dot,
             num_warps=4 if block_m <= 64 else 8, num_stages=3,
         )
     block_c = merge_piece(nc * kp, stable=keep_all)

@@ -89,8 +89,8 @@ def fix_interpreter_scalar_index() -> None:
 
 
 def check_tile_config(config: object, dot_dims: tuple[str, ...]) -> None:
-    """A frozen tile-config dataclass: every field a positive int, and the fields in ``dot_dims``
-    powers of two >= 16 (``tl.dot`` dimensions).
+    """A frozen tile-config dataclass: every field a positive int (or a bool switch), and the
+    fields in ``dot_dims`` powers of two >= 16 (``tl.dot`` dimensions).
 
     Raises:
         ValueError: naming the class, the field and the value.
@@ -100,7 +100,10 @@ def check_tile_config(config: object, dot_dims: tuple[str, ...]) -> None:
     cls = type(config).__name__
     for f in dataclasses.fields(config):  # type: ignore[arg-type]
         v = getattr(config, f.name)
-        if not isinstance(v, int) or v < 1:
+        if f.type in (bool, "bool"):
+            if not isinstance(v, bool):
+                raise ValueError(f"{cls}.{f.name} must be True or False, got {v!r}")
+        elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{cls}.{f.name} must be a positive int, got {v!r}")
     for name in dot_dims:
         v = getattr(config, name)

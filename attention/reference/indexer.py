@@ -91,3 +91,27 @@ def index_topk_ref(
         pos = torch.arange(length - (q1 - q0), length, device=iq.device)
         scores = block_scores(iq[q0:q1].to(acc), ik, pos, block_size)
         out[:, q0:q1] = select_blocks(scores, pos, topk, block_size).to(out.dtype)
+
+
+def fp8_query_split(iq: torch.Tensor) -> torch.Tensor:
+    """The index queries an fp8 index-K cache is scored with by the Triton kernels, in fp32.
+
+    Each ``(token, head)`` row is scaled by a power of two ``2**e`` (the largest with
+    ``amax * 2**e <= 448``) and split into two e4m3 parts, ``hi = e4m3(q * 2**e)`` and
+    ``lo = e4m3(q * 2**e - hi)``; the kernels' fp8 dots score ``hi + lo`` (about a bf16's
+    8 significant bits). The factor is not undone: a row's scores are only compared with each
+    other. Scoring this against the widened cache reproduces the kernels' selection up to the
+    dots' accumulation order.
+
+    Args:
+        iq: ``[T, H, Di]`` index queries.
+    Returns:
+        ``float32 [T, H, Di]``, ``hi + lo`` per row.
+    """
+    qf = iq.float()
+    mant, exp = torch.frexp(qf.abs().amax(dim=-1, keepdim=True))  # amax = mant * 2**exp, mant in [0.5, 1)
+    e = (9 - exp - (mant > 0.875).int()).clamp(-126, 127)  # amax = (2 mant) 2**(exp - 1); 448 = 1.75 * 2**8
+    e = torch.where(mant > 0, e, torch.zeros_like(e))
+    qs = qf * torch.pow(2.0, e.float())
+    hi = qs.to(torch.float8_e4m3fn).float()
+    return hi + (qs - hi).to(torch.float8_e4m3fn).float()

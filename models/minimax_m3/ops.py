@@ -30,6 +30,7 @@ Ops (``T`` tokens, hidden ``H``):
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -270,7 +271,7 @@ class FusedMoE:
         dev, dtype = x.device, x.dtype
         ids, w = self._probe_routing(moe, x)
         sh = moe.shared_experts
-        configs = moe_config_candidates(num_tokens, fp8=moe.experts.quantized)
+        configs = moe_config_candidates(num_tokens, f16=moe.experts.quantized and self._fits_f16(model))
         if dev.type != "cuda" or not tune:
             configs = configs[:1]  # the default only (and the interpreter is slow)
         by_name = {f"config{i}": c for i, c in enumerate(configs)}
@@ -284,7 +285,10 @@ class FusedMoE:
 
         e, two_i, h = moe.experts.w13.shape
         weights = "mxfp8" if moe.experts.quantized else str(dtype)
-        signature = f"E{e} 2I{two_i} H{h} k{moe.top_k} shared{sh.gate_up_proj.weight.shape[0]} {weights} probe uniform"
+        # The candidate list too: a stored name ("config5") means another config once the list changes.
+        listed = hashlib.sha1(repr(configs).encode()).hexdigest()[:8]
+        signature = (f"E{e} 2I{two_i} H{h} k{moe.top_k} shared{sh.gate_up_proj.weight.shape[0]} {weights} "
+                     f"probe uniform candidates {listed}")
         name = self.tuner.choose("moe", num_tokens, candidates, reference,
                                  tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature)
         self._configs[num_tokens] = by_name[name]
@@ -300,8 +304,17 @@ class FusedMoE:
             return
         moe, x = probe
         ids, w = self._probe_routing(moe, x)
-        for config in moe_config_candidates(num_tokens, fp8=moe.experts.quantized):
+        for config in moe_config_candidates(num_tokens, f16=moe.experts.quantized and self._fits_f16(model)):
             self.experts(moe, x, ids, w, config)
+
+    @staticmethod
+    def _fits_f16(model: torch.nn.Module) -> bool:
+        """Whether every MoE layer's MXFP8 scales allow the f16-math candidates (a small
+        reduction per layer, read on the host: once per token count at start-up)."""
+        from .kernels.moe import scales_fit_f16
+
+        scales = [moe_scales(m) for m in model.modules() if isinstance(m, BlockSparseMoE)]
+        return bool(scales) and all(sc is not None and scales_fit_f16(sc) for sc in scales)
 
     def _probe_routing(self, moe: BlockSparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The probe's routing: the router's weights, uniform expert ids (``RoutingSimulation``),

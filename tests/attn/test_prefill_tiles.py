@@ -273,7 +273,7 @@ ATTN_PTRS = {"sel_ptr": "i32", "bt_ptr": "i32", "table_rows_ptr": "i32", "token_
 def _partial(bt, h, chunk, tiled):
     bm = max(16, 1 << (bt * h - 1).bit_length())
     c = {"HIDX": h, "DI": 128, "BLOCK_T": bt, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_D": 128, "CHUNK": chunk,
-         "KP": min(15, chunk), "DOT_F32": False, "TILED": tiled}
+         "KP": min(15, chunk), "DOT_F32": False, "TILED": tiled, "FP8_DOT": False}
     return ["attention.kernels.indexer", "_partial_kernel", c, IDX_PTRS, [], 4 if bm <= 64 else 8, 3]
 
 

@@ -34,8 +34,9 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                    float_args: tuple[str, ...] = (), num_warps: int = 4, num_stages: int = 3,
                    arch: int = 90) -> dict:
     """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
-    its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "cp_async": bool}``
-    (``cp_async``: some load is pipelined through asynchronous copies into shared memory).
+    its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "fp8_wgmma": bool,
+    "cp_async": bool}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they are; ``cp_async``: some
+    load is pipelined through asynchronous copies into shared memory).
 
     A development check (the interpreter accepts code the compiler rejects, e.g. sibling
     branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
@@ -80,4 +81,5 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     spills = re.search(r"(\d+) bytes spill stores", log)
     return dict(shared=compiled.metadata.shared, regs=int(regs.group(1)) if regs else -1,
                 spill_bytes=int(spills.group(1)) if spills else 0, wgmma="wgmma" in ptx,
+                fp8_wgmma=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
                 cp_async="cp.async" in ptx)

@@ -11,6 +11,8 @@ capture -> new routing -> replay test.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.paged import DEV
@@ -226,7 +228,7 @@ FP8_PTRS = {**MOE_PTRS, "w13_ptr": "fp8e4nv", "sgu_ptr": "fp8e4nv", "w2_ptr": "f
             "s13_ptr": "u8", "ssgu_ptr": "u8", "s2_ptr": "u8", "ssd_ptr": "u8"}
 
 
-def moe_compile_cases(cfg, even=True, fp8=False):
+def moe_compile_cases(cfg, even=True, fp8=False, f16=False):
     """[gate_up, down] compile cases of ``cfg`` at the real shapes (both K loops even there;
     ``even=False`` compiles the masked K loop that other shapes take; ``fp8``: MXFP8 weights)."""
     K, E = REAL["K"], REAL["E"]
@@ -235,7 +237,8 @@ def moe_compile_cases(cfg, even=True, fp8=False):
           "BLOCK_K": cfg.gu_block_k, "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
     dn = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h, "BLOCK_K": cfg.down_block_k,
           "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
-    ptrs = FP8_PTRS if fp8 else MOE_PTRS
+    gu, dn = dict(gu, W_F16=f16), dict(dn, W_F16=f16)  # f16: fp8_f16 math, x and the activation in f16
+    ptrs = dict(FP8_PTRS, x_ptr="fp16", act_ptr="fp16") if f16 else FP8_PTRS if fp8 else MOE_PTRS
     return [[MOE, "_moe_gate_up_kernel", gu, ptrs, ["alpha", "limit"], cfg.gu_num_warps, cfg.gu_num_stages],
             [MOE, "_moe_down_kernel", dn, ptrs, [], cfg.down_num_warps, cfg.down_num_stages]]
 
@@ -251,14 +254,11 @@ def test_kernels_compile_for_hopper():
         cases += moe_compile_cases(cfg)
     cases += moe_compile_cases(configs[0], even=False) + moe_compile_cases(configs[4], even=False)
     cases += moe_compile_cases(configs[0], fp8=True) + moe_compile_cases(configs[4], fp8=True)  # MXFP8 weights
-    fp8_decode = moe.moe_config_candidates(1, fp8=True)[len(moe.moe_config_candidates(1)):]
-    assert fp8_decode and moe.moe_config_candidates(1054, fp8=True) == moe.moe_config_candidates(1054)
-    for cfg in fp8_decode:  # the larger fp8 decode steps
-        cases += moe_compile_cases(cfg, fp8=True)
+    cases += moe_compile_cases(configs[0], fp8=True, f16=True) + moe_compile_cases(configs[4], fp8=True, f16=True)
     reports = run_compile_reports(cases)  # asserts shared <= 227 KiB and no big spills
-    n_fp8 = 2 * len(fp8_decode)
-    assert reports[-2 - n_fp8]["wgmma"] and reports[-1 - n_fp8]["wgmma"]  # prefill tiles on fp8 keep the tensor cores
-    assert all(r["cp_async"] for r in reports[-n_fp8:])  # every fp8 step streams through async copies
+    fp8 = reports[-8:]  # bf16 math, then f16: decode (gate/up, down), prefill (gate/up, down)
+    assert all(r["wgmma"] for r in (fp8[2], fp8[3], fp8[6], fp8[7]))  # prefill tiles on fp8 keep the tensor cores
+    assert all(r["cp_async"] for r in fp8)  # every fp8 step streams through async copies
     for i, cfg in enumerate(configs):
         gu, dn = reports[4 + 2 * i], reports[5 + 2 * i]
         if cfg.block_m >= 64:  # one wgmma warpgroup needs 64 rows
@@ -366,11 +366,40 @@ def test_fp8_weights_equal_the_kernels_on_dequantized_weights(T, dims):
     pb = Problem(T, E=6, seed=40 + T, dtype=dtype, **dims)
     w8, scales, deq = quantized(pb)
     head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
-    for cfg in moe.moe_config_candidates(T, fp8=True) + (moe.moe_config_candidates(100) if T <= 64 else []):
+    for cfg in moe.moe_config_candidates(T) + (moe.moe_config_candidates(100) if T <= 64 else []):
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
         assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
     twin = moe.fused_moe_torch(*head, *w8, *tail, pb.poisoned_out(), scales=scales)
     assert rel_err(out, twin) < TOL[dtype]
+
+
+@pytest.mark.parametrize("T", [5, 100])
+def test_fp8_f16_math_tracks_the_dequantized_weights(T):
+    """The ``fp8_f16`` twins of every MXFP8 candidate (weights, x and the activation in f16)
+    against the torch twin on the dequantised weights: within f16 rounding of x and the
+    activation (2**-11) on CPU, where the dots run in fp32; bf16-close on a GPU."""
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pb = Problem(T, E=6, seed=60 + T, dtype=dtype, **FP8_EVEN)
+    w8, scales, deq = quantized(pb)
+    assert moe.scales_fit_f16(scales)
+    plain = moe.moe_config_candidates(T)
+    both = moe.moe_config_candidates(T, f16=True)
+    assert both[: len(plain)] == plain and [dataclasses.replace(c, fp8_f16=False) for c in both[len(plain):]] == plain
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    for cfg in both[len(plain):]:
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 2e-3), cfg
+
+
+@pytest.mark.parametrize("byte,fits", [(127 - 24, True), (127 + 7, True), (127 - 25, False), (127 + 8, False)])
+def test_f16_math_only_for_scales_f16_holds(byte, fits):
+    """``scales_fit_f16``: one scale outside ``F16_SCALE_EXPONENTS`` (a weight that would overflow
+    f16, or a scale below its smallest subnormal) rules the f16 candidates out."""
+    pb = Problem(3, E=2, seed=2, dtype=torch.float32, **FP8_SMALL)
+    _, scales, _ = quantized(pb)
+    scales.w2.view(-1)[7] = byte
+    assert moe.scales_fit_f16(scales) is fits
 
 
 def test_fp8_weights_need_their_scales():
@@ -397,7 +426,8 @@ def test_cuda_fp8_real_shapes_match_dequantized_bf16(T):
     w8, scales, deq = quantized(pb)
     head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
     want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
-    for cfg in moe.moe_config_candidates(T, fp8=True):  # the larger fp8 decode steps too
+    for cfg in moe.moe_config_candidates(T, f16=True):  # f16 math too
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
-        assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
+        if not cfg.fp8_f16:  # f16 math rounds x and the activation otherwise than the bf16 kernels
+            assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
         assert rel_err(out, want) < 1e-2, cfg

@@ -4,6 +4,12 @@ shared by the kernels that read fp8 weights (``moe``, ``fp8_linear``). Format: `
 import triton
 import triton.language as tl
 
+# Scale exponents (byte - 127) for which ``dequant_fp8_f16`` holds every weight of a block: up
+# to 2**7 an e4m3 value (<= 448) times the scale stays below f16's 65504; from 2**-24 (f16's
+# smallest subnormal) the scale itself exists. Within them the f16 weight equals the exact
+# product wherever it is >= 2**-14 (f16's normals; below, it rounds to a multiple of 2**-24).
+F16_SCALE_EXPONENTS = (-24, 7)
+
 
 @triton.jit
 def dequant_fp8(q, scale_byte):
@@ -12,6 +18,19 @@ def dequant_fp8(q, scale_byte):
     b = scale_byte.to(tl.int32)
     bits = tl.where(b > 0, b << 23, 1 << 22)
     return q.to(tl.float32) * bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dequant_fp8_f16(q, scale_byte):
+    """MXFP8 in f16: ``f16(q) * f16(2 ** (scale_byte - 127))``, a packed e4m3 -> f16 convert and a
+    packed f16 multiply per two weights (the fp32 route of :func:`dequant_fp8` spends a convert to
+    fp32, an fp32 multiply and a convert back per weight). Exact for scale exponents in
+    ``F16_SCALE_EXPONENTS`` down to
+    products of 2**-14 (the caller checks the range); the power of two from its bits: normal
+    ``(e + 15) << 10`` from 2**-14, subnormal ``1 << (e + 24)`` below."""
+    e = scale_byte.to(tl.int32) - 127
+    bits = tl.where(e >= -14, (e + 15) << 10, 1 << tl.maximum(e + 24, 0))
+    return q.to(tl.float16) * bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit

@@ -41,7 +41,7 @@ against, and the CPU path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -54,7 +54,7 @@ from models.minimax_m3.layers import swiglu_oai_f32
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
-from .fp8_tiles import block_scales, dequant_fp8
+from .fp8_tiles import F16_SCALE_EXPONENTS, block_scales, dequant_fp8, dequant_fp8_f16
 
 Tensor = torch.Tensor
 
@@ -83,6 +83,14 @@ class MoEConfig:
         m_split: programs per (expert, N-tile) splitting that expert's M-tiles (prefill: a hot
             expert or the shared expert's T rows would otherwise run serially in one program).
         combine_block: columns of H per combine program.
+        fp8_f16: MXFP8 weights only (ignored for bf16 ones): dequantise to f16 and dot with f16
+            activations (x converted once before the kernels, the gate/up activation stored in
+            f16) instead of through fp32 to x's dtype: one packed convert and one packed
+            multiply per two weights instead of three conversions and a multiply per weight
+            (H200: 6-8% faster at decode, equal at prefill). Results
+            differ from the bf16 path by f16 rounding of x and the activation (finer than
+            bf16's within f16's range); only for scales within ``F16_SCALE_EXPONENTS``
+            (``scales_fit_f16``).
     """
 
     block_m: int = 16
@@ -97,6 +105,7 @@ class MoEConfig:
     down_num_stages: int = 4
     m_split: int = 1
     combine_block: int = 1024
+    fp8_f16: bool = False
 
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h",
@@ -126,31 +135,27 @@ def default_moe_config(num_tokens: int) -> MoEConfig:
     return _DECODE if num_tokens <= _DECODE_MAX_TOKENS else _PREFILL
 
 
-# MXFP8 decode: an fp8 tile of a bf16 config's shape holds half its bytes, and each K step's
-# dequantise and layout shuffles sit in every program's serial chain (at decode 1 the bf16
-# shapes reached 0.8 TB/s on fp8 weights, against 2.3 TB/s on bf16 ones, H200). These take
-# twice the N per step, with 8 warps to share the dequantising. (A K step of 512 spills at 16
-# rows; the down step stays 128 wide so the shared expert's Is = 384 at TP8 keeps it even.)
-# Measured on the H200 they did not lift that pace: the best of them is 2% faster than the
-# shared shapes at T=1 (84.6 vs 86.6 us) and slower at T=8-64 (T=32: 195.6 vs 178.4 us).
-_FP8_DECODE = [
-    MoEConfig(gu_block_n=64, gu_block_n_shared=32, gu_block_k=256, gu_num_warps=8, gu_num_stages=3,
-              down_block_h=128, down_block_k=128, down_num_warps=8, down_num_stages=3),
-    MoEConfig(gu_block_n=32, gu_block_n_shared=16, gu_block_k=256, gu_num_warps=8, gu_num_stages=4,
-              down_block_h=64, down_block_k=128, down_num_warps=8, down_num_stages=4),
-    MoEConfig(gu_block_n=128, gu_block_n_shared=32, gu_block_k=128, gu_num_warps=8, gu_num_stages=4,
-              down_block_h=256, down_block_k=128, down_num_warps=8, down_num_stages=3),
-    MoEConfig(gu_block_n=64, gu_block_n_shared=32, gu_block_k=256, gu_num_warps=8, gu_num_stages=4,
-              down_block_h=128, down_block_k=128, down_num_warps=4, down_num_stages=4),
-]
+# MXFP8 weights run the same tile shapes. Larger decode steps for fp8 (twice the N per step, 8
+# warps) were candidates until the H200 measured them, twice, no faster: at most 2.7% at T=1
+# (83.7 vs 86.0 us) and slower at T=8-64 (T=32: 197.4 vs 180.4 us); what did help is the f16
+# dequantise-and-dot math of ``MoEConfig.fp8_f16`` (T=32: 176.1 vs 180.4 us, T=64: 331.5 vs
+# 351.6 us, T=1: 76.8 vs 86.0 us).
 
 
-def moe_config_candidates(num_tokens: int, fp8: bool = False) -> list[MoEConfig]:
+def moe_config_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
     """A few valid configs for ``num_tokens`` rows, the default first (for warm-up checks and
-    timing on the GPU). All of them fit Hopper's shared memory at the M3 shapes. ``fp8``
-    (MXFP8 weights): at decode, also the larger steps of ``_FP8_DECODE``, after them."""
+    timing on the GPU). All of them fit Hopper's shared memory at the M3 shapes. ``f16``
+    (MXFP8 weights whose scales fit, ``scales_fit_f16``): then each of them again with
+    ``fp8_f16`` math."""
     base = _shared_candidates(num_tokens)
-    return base + _FP8_DECODE if fp8 and num_tokens <= _DECODE_MAX_TOKENS else base
+    return base + [replace(c, fp8_f16=True) for c in base] if f16 else base
+
+
+def scales_fit_f16(scales: "MoEScales") -> bool:
+    """Whether every E8M0 scale of ``scales`` is a power of two within ``F16_SCALE_EXPONENTS``
+    (``MoEConfig.fp8_f16`` holds those weights; one device-to-host read)."""
+    lo, hi = F16_SCALE_EXPONENTS
+    return all(bool(((s.int() - 127 >= lo) & (s.int() - 127 <= hi)).all()) for s in scales)
 
 
 def _shared_candidates(num_tokens: int) -> list[MoEConfig]:
@@ -260,10 +265,21 @@ def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> t
 
 
 @triton.jit
+def _dequant(w, scale_byte, dtype: tl.constexpr, W_F16: tl.constexpr):
+    """An MXFP8 weight tile for the dot: in f16 (``W_F16``; the activations go to f16 too) or,
+    through fp32, in the activations' ``dtype``."""
+    if W_F16:
+        out = dequant_fp8_f16(w, scale_byte)
+    else:
+        out = dequant_fp8(w, scale_byte).to(dtype)
+    return out
+
+
+@triton.jit
 def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr, stride_sn, sorted_ptr, act_ptr,
                    stride_act, start, end, N, TK, H, alpha, limit,
                    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr):
+                   EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr, W_F16: tl.constexpr):
     """One expert's share of this program: N-tile ``j % n_tiles`` of its ``N`` gate/up rows,
     over the M-tiles of its pairs ``[start, end)`` that fall to this program.
 
@@ -273,7 +289,8 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
     the loop runs zero times: no weight is read. ``W_FP8``: the weights are fp8 e4m3 with an
     E8M0 byte per 32 columns of H at ``sg_ptr`` / ``su_ptr`` (row stride ``stride_sn``),
     dequantised in registers to x's dtype before the dot (weight bytes halve; the dot and its
-    inputs are those of the bf16 kernel on the dequantised weights).
+    inputs are those of the bf16 kernel on the dequantised weights), or with ``W_F16`` to f16,
+    x in f16 (see ``MoEConfig.fp8_f16``).
     """
     j = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -305,12 +322,12 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 wu = tl.load(wu_base + k0)
                 if W_FP8:
                     if BLOCK_K >= 32:
-                        wg = dequant_fp8(wg, block_scales(sg_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
-                        wu = dequant_fp8(wu, block_scales(su_base, k0, BLOCK_K, BLOCK_N)).to(xa.dtype)
+                        wg = _dequant(wg, block_scales(sg_base, k0, BLOCK_K, BLOCK_N), xa.dtype, W_F16)
+                        wu = _dequant(wu, block_scales(su_base, k0, BLOCK_K, BLOCK_N), xa.dtype, W_F16)
                     else:
                         blk = ((k0 + offs_k) // 32)[:, None]
-                        wg = dequant_fp8(wg, tl.load(sg_base + blk)).to(xa.dtype)
-                        wu = dequant_fp8(wu, tl.load(su_base + blk)).to(xa.dtype)
+                        wg = _dequant(wg, tl.load(sg_base + blk), xa.dtype, W_F16)
+                        wu = _dequant(wu, tl.load(su_base + blk), xa.dtype, W_F16)
             else:
                 k_ok = offs_k + k0 < H
                 xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
@@ -318,8 +335,10 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 wu = tl.load(wu_base + k0, mask=k_ok[:, None], other=0.0)
                 if W_FP8:
                     blk = ((k0 + offs_k) // 32)[:, None]
-                    wg = dequant_fp8(wg, tl.load(sg_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
-                    wu = dequant_fp8(wu, tl.load(su_base + blk, mask=k_ok[:, None], other=127)).to(xa.dtype)
+                    wg = _dequant(wg, tl.load(sg_base + blk, mask=k_ok[:, None], other=127), xa.dtype, W_F16)
+                    wu = _dequant(wu, tl.load(su_base + blk, mask=k_ok[:, None], other=127), xa.dtype, W_F16)
+            if W_F16:
+                xa = xa.to(tl.float16)  # a no-op where fused_moe passed x in f16
             if DOT_F32:
                 xa = xa.to(tl.float32)
                 acc_g = tl.dot(xa, wg.to(tl.float32), acc_g, input_precision="ieee")
@@ -345,6 +364,7 @@ def _moe_gate_up_kernel(
     T, H, I, IS, alpha, limit,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr,
+    W_F16: tl.constexpr = False,
 ):
     """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for the pairs of
     expert ``program_id(0)`` (``E``: the shared expert, whose N-tiles may be narrower so that
@@ -358,12 +378,12 @@ def _moe_gate_up_kernel(
         _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wg_ptr + stride_w13_up, stride_w13_n, sg_ptr,
                        sg_ptr + stride_s13_up, stride_s13_n, sorted_ptr, act_ptr,
                        stride_act, start, end, I, T * K, H, alpha, limit,
-                       K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, W_FP8)
+                       K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, W_FP8, W_F16)
     else:
         _gate_up_tiles(x_ptr, stride_x_t, sgu_ptr, sgu_ptr + stride_sgu_up, stride_sgu_n, ssgu_ptr,
                        ssgu_ptr + stride_ssgu_up, stride_ssgu_n, sorted_ptr, act_ptr,
                        stride_act, start, end, IS, T * K, H, alpha, limit,
-                       K, BLOCK_M, BLOCK_N_SHARED, BLOCK_K, EVEN_K, DOT_F32, W_FP8)
+                       K, BLOCK_M, BLOCK_N_SHARED, BLOCK_K, EVEN_K, DOT_F32, W_FP8, W_F16)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -376,11 +396,12 @@ def _moe_down_kernel(
     topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y,
     T, H, I, IS,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr, W_F16: tl.constexpr = False,
 ):
     """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32, one H-tile of one expert,
     over the M-tiles of its pairs this program owns (axis 2 splits them). ``W_FP8``: fp8 weights,
-    dequantised in registers (see ``_gate_up_tiles``)."""
+    dequantised in registers (see ``_gate_up_tiles``); with ``W_F16`` to f16, the activations
+    being f16 already (the gate/up kernel wrote them so)."""
     e = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
@@ -420,16 +441,18 @@ def _moe_down_kernel(
                 w = tl.load(w_base + k0)
                 if W_FP8:
                     if BLOCK_K >= 32:
-                        w = dequant_fp8(w, block_scales(s_base, k0, BLOCK_K, BLOCK_H)).to(a.dtype)
+                        w = _dequant(w, block_scales(s_base, k0, BLOCK_K, BLOCK_H), a.dtype, W_F16)
                     else:
-                        w = dequant_fp8(w, tl.load(s_base + ((k0 + offs_k) // 32)[:, None])).to(a.dtype)
+                        w = _dequant(w, tl.load(s_base + ((k0 + offs_k) // 32)[:, None]), a.dtype, W_F16)
             else:
                 k_ok = offs_k + k0 < KD
                 a = tl.load(a_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
                 if W_FP8:
                     sc = tl.load(s_base + ((k0 + offs_k) // 32)[:, None], mask=k_ok[:, None], other=127)
-                    w = dequant_fp8(w, sc).to(a.dtype)
+                    w = _dequant(w, sc, a.dtype, W_F16)
+            if W_F16:
+                a = a.to(tl.float16)  # f16 already when the gate/up kernel wrote it (as fused_moe does)
             if DOT_F32:
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -571,7 +594,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     P = T * K
     dev = x.device
     dot_f32 = interpreting() or x.dtype == torch.float32  # the interpreter's bf16 dot is wrong
-    act = torch.empty(P + T, max(I, Is), dtype=x.dtype, device=dev)
+    w_f16 = scales is not None and cfg.fp8_f16
+    act = torch.empty(P + T, max(I, Is), dtype=torch.float16 if w_f16 and not dot_f32 else x.dtype, device=dev)
     y = torch.empty(P + T, H, dtype=torch.float32, device=dev)
     off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
 
@@ -579,8 +603,11 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     esz, wsz = x.element_size(), w13.element_size()  # activation and weight bytes (fp8: 1)
     # Without scales the scale pointers are never read (W_FP8=False): the weights stand in.
     s13, s2, ssgu, ssd = scales if scales is not None else (w13, w2, shared_gate_up, shared_down)
+    # f16 math: x converted once here (in the kernel, each warp would convert the whole
+    # M-tile, its dot operand, on every K step: as many conversions as the weights take)
+    x_in = x.to(torch.float16) if w_f16 and not dot_f32 else x
     _moe_gate_up_kernel[(E + 1, max(triton.cdiv(I, bn), triton.cdiv(Is, bns)), cfg.m_split)](
-        x, x.stride(0),
+        x_in, x_in.stride(0),
         w13, w13.stride(0), w13.stride(1), I * w13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), Is * shared_gate_up.stride(0),
         s13, s13.stride(0), s13.stride(1), I * s13.stride(1),
@@ -588,7 +615,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         sorted_pairs, off, act, act.stride(0),
         T, H, I, Is, float(alpha), float(limit),
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_N_SHARED=bns, BLOCK_K=bk, EVEN_K=H % bk == 0,
-        DOT_F32=dot_f32, W_FP8=scales is not None,
+        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16,
         num_warps=cfg.gu_num_warps,
         num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m * esz + 2 * max(bn, bns) * wsz) * bk),
     )
@@ -602,7 +629,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         topk_w, sorted_pairs, off, y, y.stride(0),
         T, H, I, Is,
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_H=bh, BLOCK_K=bkd, EVEN_K=(I % bkd == 0 and Is % bkd == 0),
-        DOT_F32=dot_f32, W_FP8=scales is not None, num_warps=cfg.down_num_warps,
+        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, num_warps=cfg.down_num_warps,
         num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m * esz + bh * wsz) * bkd),
     )
     cb = min(cfg.combine_block, max(16, next_pow2(H)))
@@ -649,4 +676,5 @@ def fused_moe_torch(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2
     return out
 
 
-__all__ = ["MoEConfig", "MoEScales", "default_moe_config", "fused_moe", "fused_moe_torch", "moe_config_candidates"]
+__all__ = ["MoEConfig", "MoEScales", "default_moe_config", "fused_moe", "fused_moe_torch", "moe_config_candidates",
+           "scales_fit_f16"]
