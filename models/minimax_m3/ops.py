@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -203,6 +204,8 @@ class FusedMoE:
 
     def __init__(self, tuner: KernelTuner, simulation: RoutingSimulation | None = None) -> None:
         self.tuner, self.simulation = tuner, simulation
+        # model -> whether its MXFP8 scales allow f16 math: a property of the weights, read once
+        self._fits: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
         self._configs: dict[int, object] = {}  # token count -> the validated MoEConfig
 
     def route(self, moe: BlockSparseMoE, x: torch.Tensor,
@@ -307,14 +310,15 @@ class FusedMoE:
         for config in moe_config_candidates(num_tokens, f16=moe.experts.quantized and self._fits_f16(model)):
             self.experts(moe, x, ids, w, config)
 
-    @staticmethod
-    def _fits_f16(model: torch.nn.Module) -> bool:
-        """Whether every MoE layer's MXFP8 scales allow the f16-math candidates (a small
-        reduction per layer, read on the host: once per token count at start-up)."""
+    def _fits_f16(self, model: torch.nn.Module) -> bool:
+        """Whether every MoE layer's MXFP8 scales allow the f16-math candidates (read on the
+        host once per model, not once per token count)."""
         from .kernels.moe import scales_fit_f16
 
-        scales = [moe_scales(m) for m in model.modules() if isinstance(m, BlockSparseMoE)]
-        return bool(scales) and all(sc is not None and scales_fit_f16(sc) for sc in scales)
+        if model not in self._fits:
+            scales = [moe_scales(m) for m in model.modules() if isinstance(m, BlockSparseMoE)]
+            self._fits[model] = bool(scales) and all(sc is not None and scales_fit_f16(sc) for sc in scales)
+        return self._fits[model]
 
     def _probe_routing(self, moe: BlockSparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The probe's routing: the router's weights, uniform expert ids (``RoutingSimulation``),

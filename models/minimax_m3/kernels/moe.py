@@ -153,9 +153,9 @@ def moe_config_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]
 
 def scales_fit_f16(scales: "MoEScales") -> bool:
     """Whether every E8M0 scale of ``scales`` is a power of two within ``F16_SCALE_EXPONENTS``
-    (``MoEConfig.fp8_f16`` holds those weights; one device-to-host read)."""
+    (``MoEConfig.fp8_f16`` holds those weights; the bytes' range, read on the host)."""
     lo, hi = F16_SCALE_EXPONENTS
-    return all(bool(((s.int() - 127 >= lo) & (s.int() - 127 <= hi)).all()) for s in scales)
+    return all(lo <= int(s.min()) - 127 and int(s.max()) - 127 <= hi for s in scales)
 
 
 def _shared_candidates(num_tokens: int) -> list[MoEConfig]:
