@@ -35,8 +35,10 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                    arch: int = 90) -> dict:
     """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
     its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "fp8_wgmma": bool,
-    "cp_async": bool}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they are; ``cp_async``: some
-    load is pipelined through asynchronous copies into shared memory).
+    "cp_async": bool, "k_loop_loads": n}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they
+    are; ``cp_async``: some load is pipelined through asynchronous copies into shared memory;
+    ``k_loop_loads``: loads left synchronous in a loop that feeds a dot, each a full memory
+    latency per step).
 
     A development check (the interpreter accepts code the compiler rejects, e.g. sibling
     branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
@@ -82,4 +84,23 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     return dict(shared=compiled.metadata.shared, regs=int(regs.group(1)) if regs else -1,
                 spill_bytes=int(spills.group(1)) if spills else 0, wgmma="wgmma" in ptx,
                 fp8_wgmma=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-                cp_async="cp.async" in ptx)
+                cp_async="cp.async" in ptx, k_loop_loads=k_loop_loads(compiled.asm["ttgir"]))
+
+
+def k_loop_loads(ttgir: str) -> int:
+    """Plain ``tt.load`` ops left in the loops (``scf.for``) of a pipelined TTGIR whose body holds
+    a dot: loads the software pipeliner did not turn into asynchronous copies (Triton skips
+    those under 4 bytes per element, among others), so each step waits for them."""
+    stack, total = [], 0  # per open region: [is a for loop, holds a dot, plain loads]
+    for line in ttgir.splitlines():
+        t = line.strip()
+        if t.startswith("}") and stack:
+            is_for, has_dot, loads = stack.pop()
+            total += loads if is_for and has_dot else 0
+        loop = next((r for r in reversed(stack) if r[0]), None)  # the innermost loop around this op
+        if loop is not None:
+            loop[1] |= "tt.dot " in t or "warp_group_dot " in t
+            loop[2] += "= tt.load " in t
+        if t.endswith("{"):
+            stack.append([t.startswith("scf.for ") or " = scf.for " in t, False, 0])
+    return total

@@ -228,17 +228,21 @@ FP8_PTRS = {**MOE_PTRS, "w13_ptr": "fp8e4nv", "sgu_ptr": "fp8e4nv", "w2_ptr": "f
             "s13_ptr": "u8", "ssgu_ptr": "u8", "s2_ptr": "u8", "ssd_ptr": "u8"}
 
 
-def moe_compile_cases(cfg, even=True, fp8=False, f16=False):
+def moe_compile_cases(cfg, even=True, fp8=False, f16=False, words=True):
     """[gate_up, down] compile cases of ``cfg`` at the real shapes (both K loops even there;
-    ``even=False`` compiles the masked K loop that other shapes take; ``fp8``: MXFP8 weights)."""
+    ``even=False`` compiles the masked K loop that other shapes take; ``fp8``: MXFP8 weights,
+    their scales in int32 words as the real shapes launch them, or with ``words=False`` bytes)."""
     K, E = REAL["K"], REAL["E"]
     assert REAL["H"] % cfg.gu_block_k == 0 and REAL["I"] % cfg.down_block_k == 0 and REAL["Is"] % cfg.down_block_k == 0
     gu = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.gu_block_n, "BLOCK_N_SHARED": cfg.gu_block_n_shared,
           "BLOCK_K": cfg.gu_block_k, "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
     dn = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h, "BLOCK_K": cfg.down_block_k,
           "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
-    gu, dn = dict(gu, W_F16=f16), dict(dn, W_F16=f16)  # f16: fp8_f16 math, x and the activation in f16
+    words = words and fp8
+    gu, dn = dict(gu, W_F16=f16, S_WORDS=words), dict(dn, W_F16=f16, S_WORDS=words)  # f16: fp8_f16 math
     ptrs = dict(FP8_PTRS, x_ptr="fp16", act_ptr="fp16") if f16 else FP8_PTRS if fp8 else MOE_PTRS
+    if words:
+        ptrs = dict(ptrs, **{name: "i32" for name in ("s13_ptr", "ssgu_ptr", "s2_ptr", "ssd_ptr")})
     return [[MOE, "_moe_gate_up_kernel", gu, ptrs, ["alpha", "limit"], cfg.gu_num_warps, cfg.gu_num_stages],
             [MOE, "_moe_down_kernel", dn, ptrs, [], cfg.down_num_warps, cfg.down_num_stages]]
 
@@ -254,11 +258,17 @@ def test_kernels_compile_for_hopper():
         cases += moe_compile_cases(cfg)
     cases += moe_compile_cases(configs[0], even=False) + moe_compile_cases(configs[4], even=False)
     cases += moe_compile_cases(configs[0], fp8=True) + moe_compile_cases(configs[4], fp8=True)  # MXFP8 weights
+    cases += moe_compile_cases(configs[0], fp8=True, words=False)
     cases += moe_compile_cases(configs[0], fp8=True, f16=True) + moe_compile_cases(configs[4], fp8=True, f16=True)
     reports = run_compile_reports(cases)  # asserts shared <= 227 KiB and no big spills
-    fp8 = reports[-8:]  # bf16 math, then f16: decode (gate/up, down), prefill (gate/up, down)
+    fp8 = reports[-10:-6] + reports[-4:]  # bf16 math, then f16: decode (gate/up, down), prefill (gate/up, down)
+    bytes_scales = reports[-6:-4]
     assert all(r["wgmma"] for r in (fp8[2], fp8[3], fp8[6], fp8[7]))  # prefill tiles on fp8 keep the tensor cores
     assert all(r["cp_async"] for r in fp8)  # every fp8 step streams through async copies
+    # ... its scales too (int32 words): as bytes they were synchronous loads in the K loop, a
+    # memory latency per step (byte scales, the layouts that cannot be words, still compile)
+    assert all(r["k_loop_loads"] == 0 for r in fp8), fp8
+    assert bytes_scales[0]["k_loop_loads"] > 0  # what the check tells apart
     for i, cfg in enumerate(configs):
         gu, dn = reports[4 + 2 * i], reports[5 + 2 * i]
         if cfg.block_m >= 64:  # one wgmma warpgroup needs 64 rows
@@ -431,3 +441,38 @@ def test_cuda_fp8_real_shapes_match_dequantized_bf16(T):
         if not cfg.fp8_f16:  # f16 math rounds x and the activation otherwise than the bf16 kernels
             assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
         assert rel_err(out, want) < 1e-2, cfg
+
+
+def test_scales_read_as_words_or_bytes_give_the_same_result():
+    """The kernels read scales as int32 words where the layout allows (``scale_words``: rows of
+    a multiple of 4 bytes, aligned) and as bytes elsewhere; the same scales through either
+    path give bit-identical results (CPU: the interpreter)."""
+    from models.minimax_m3.kernels.fp8_tiles import scale_words
+
+    pb = Problem(5, E=6, seed=71, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, **FP8_EVEN)
+    w8, scales, _ = quantized(pb)
+    assert all(scale_words(s) is not None for s in scales)  # H/32 = 8, inter/32 = Is/32 = 4 bytes a row
+
+    def bytes_only(s: torch.Tensor) -> torch.Tensor:  # the same values, rows 1 byte wider apart
+        wide = torch.zeros(*s.shape[:-1], s.shape[-1] + 1, dtype=s.dtype, device=s.device)
+        wide[..., :-1] = s
+        return wide[..., :-1]
+
+    as_bytes = moe.MoEScales(*(bytes_only(s) for s in scales))
+    assert all(scale_words(s) is None for s in as_bytes)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    for cfg in moe.moe_config_candidates(5)[:2] + moe.moe_config_candidates(100)[:1]:
+        words = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert torch.equal(words, moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=as_bytes))
+
+
+def test_scale_words_only_where_the_layout_allows():
+    from models.minimax_m3.kernels.fp8_tiles import scale_words
+
+    s = torch.arange(2 * 3 * 8, dtype=torch.uint8).reshape(2, 3, 8)
+    w = scale_words(s)
+    assert w.dtype == torch.int32 and tuple(w.shape) == (2, 3, 2)
+    assert int(w[1, 2, 1]) == int.from_bytes(bytes(s[1, 2, 4:].tolist()), "little")  # bytes in block order
+    assert scale_words(s[..., :6]) is None  # a row of 6 bytes
+    assert scale_words(s.reshape(-1)[1:41].reshape(5, 8)) is None  # starts 1 byte into a word
+    assert scale_words(s.view(-1)[:8].view(torch.int8)) is None  # not E8M0 bytes

@@ -74,8 +74,8 @@ def test_kernels_compile_for_hopper():
         for n, k in REAL[:2]:
             for cfg in linear_config_candidates(t, n, k):
                 c = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN": True,
-                     "DOT_F32": False}
-                ptrs = {"w_ptr": "fp8e4nv", "s_ptr": "u8", "out_ptr": "fp32" if cfg.split_k > 1 else "bf16"}
+                     "DOT_F32": False, "S_WORDS": True}  # K % 128 == 0: the scales go as int32 words
+                ptrs = {"w_ptr": "fp8e4nv", "s_ptr": "i32", "out_ptr": "fp32" if cfg.split_k > 1 else "bf16"}
                 prefill.append(t > 64)
                 cases.append(["models.minimax_m3.kernels.fp8_linear", "_mxfp8_linear_kernel", c, ptrs, [],
                               cfg.num_warps, cfg.num_stages])
@@ -85,6 +85,9 @@ def test_kernels_compile_for_hopper():
     # decode (the split's K offset had no known alignment, so the loads went one byte at a time,
     # synchronously) and ran slower than bf16 on the H200.
     assert all(r["cp_async"] for r in reports), reports
+    # ... the scales too: read as bytes they stayed synchronous loads in the loop (Triton
+    # pipelines only loads of >= 4 bytes per element), a memory latency on every K step.
+    assert all(r["k_loop_loads"] == 0 for r in reports), reports
 
 
 def test_triton_dequantize_is_exact_and_feeds_f_linear():

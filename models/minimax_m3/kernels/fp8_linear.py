@@ -29,7 +29,7 @@ from attention.kernels.triton_utils import check_device, check_tile_config, inte
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8
 
-from .fp8_tiles import block_scales, dequant_fp8
+from .fp8_tiles import block_scale_factors, dequant_fp8, scale_bytes, scale_factor, scale_words
 
 Tensor = torch.Tensor
 
@@ -87,9 +87,10 @@ def linear_config_candidates(num_tokens: int, n: int, k: int) -> list[LinearConf
 def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_ptr, stride_out_split, stride_out,
                          T, N, K, k_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN: tl.constexpr, DOT_F32: tl.constexpr):
+                         EVEN: tl.constexpr, DOT_F32: tl.constexpr, S_WORDS: tl.constexpr = False):
     """out[split, rows, cols] = x[rows, K-range] @ dequant(w[cols, K-range])^T (fp32 when split,
-    else out's dtype)."""
+    else out's dtype). ``S_WORDS``: ``s_ptr`` and ``stride_s`` are in int32 words of four scale
+    bytes (``fp8_tiles.scale_words``)."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -101,19 +102,20 @@ def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_
     k_lo = tl.multiple_of(split * k_per_split, BLOCK_K)
     x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_x + k_lo + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_base = w_ptr + c_ld.to(tl.int64)[None, :] * stride_w + k_lo + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    s_base = s_ptr + c_ld.to(tl.int64)[None, :] * stride_s + k_lo // 32
+    s_base = s_ptr + c_ld.to(tl.int64)[None, :] * stride_s  # each column's scale row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         if EVEN:
             xa = tl.load(x_base + k0, mask=r_ok[:, None], other=0.0)
             w = tl.load(w_base + k0)
-            sc = block_scales(s_base, k0, BLOCK_K, BLOCK_N)
+            f = block_scale_factors(s_base, k_lo + k0, BLOCK_K, BLOCK_N, False, S_WORDS)
         else:
             k_ok = offs_k + k0 + k_lo < K
             xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
-            sc = tl.load(s_base + ((k0 + offs_k) // 32)[:, None], mask=k_ok[:, None], other=127)
-        wd = dequant_fp8(w, sc)
+            f = scale_factor(scale_bytes(s_base, ((k_lo + k0 + offs_k) // 32)[:, None], k_ok[:, None], S_WORDS),
+                             False)
+        wd = w.to(tl.float32) * f
         if DOT_F32:
             acc = tl.dot(xa.to(tl.float32), wd, acc, input_precision="ieee")
         else:
@@ -167,11 +169,14 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
     dot_f32 = interpreting() or x.dtype == torch.float32
     target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(t, cfg.block_m), split)
+    words = scale_words(scale_inv)  # pipelined scale loads where the layout allows (fp8_tiles)
+    scales = scale_inv if words is None else words
     _mxfp8_linear_kernel[grid](
-        x, x.stride(0), weight, weight.stride(0), scale_inv, scale_inv.stride(0), target,
+        x, x.stride(0), weight, weight.stride(0), scales, scales.stride(0), target,
         0 if split == 1 else target.stride(0), n, t, n, k, k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=k % k_per_split == 0 and
-        k_per_split % cfg.block_k == 0, DOT_F32=dot_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        k_per_split % cfg.block_k == 0, DOT_F32=dot_f32, S_WORDS=words is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(t * n, block),)](target, target.stride(0), out, t, n, SPLIT=split,

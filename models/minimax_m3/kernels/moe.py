@@ -54,7 +54,7 @@ from models.minimax_m3.layers import swiglu_oai_f32
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
-from .fp8_tiles import F16_SCALE_EXPONENTS, block_scales, dequant_fp8, dequant_fp8_f16
+from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_bytes, scale_factor, scale_words
 
 Tensor = torch.Tensor
 
@@ -265,13 +265,14 @@ def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> t
 
 
 @triton.jit
-def _dequant(w, scale_byte, dtype: tl.constexpr, W_F16: tl.constexpr):
-    """An MXFP8 weight tile for the dot: in f16 (``W_F16``; the activations go to f16 too) or,
-    through fp32, in the activations' ``dtype``."""
+def _dequant(w, factor, dtype: tl.constexpr, W_F16: tl.constexpr):
+    """An MXFP8 weight tile for the dot, ``w`` times its scale ``factor`` (``scale_factor`` of
+    ``W_F16``): in f16 (``W_F16``; the activations go to f16 too; a packed convert and a packed
+    multiply per two weights) or, through fp32, in the activations' ``dtype``."""
     if W_F16:
-        out = dequant_fp8_f16(w, scale_byte)
+        out = w.to(tl.float16) * factor
     else:
-        out = dequant_fp8(w, scale_byte).to(dtype)
+        out = (w.to(tl.float32) * factor).to(dtype)
     return out
 
 
@@ -279,7 +280,8 @@ def _dequant(w, scale_byte, dtype: tl.constexpr, W_F16: tl.constexpr):
 def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr, stride_sn, sorted_ptr, act_ptr,
                    stride_act, start, end, N, TK, H, alpha, limit,
                    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr, W_F16: tl.constexpr):
+                   EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr, W_F16: tl.constexpr,
+                   S_WORDS: tl.constexpr):
     """One expert's share of this program: N-tile ``j % n_tiles`` of its ``N`` gate/up rows,
     over the M-tiles of its pairs ``[start, end)`` that fall to this program.
 
@@ -290,7 +292,8 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
     E8M0 byte per 32 columns of H at ``sg_ptr`` / ``su_ptr`` (row stride ``stride_sn``),
     dequantised in registers to x's dtype before the dot (weight bytes halve; the dot and its
     inputs are those of the bf16 kernel on the dequantised weights), or with ``W_F16`` to f16,
-    x in f16 (see ``MoEConfig.fp8_f16``).
+    x in f16 (see ``MoEConfig.fp8_f16``). ``S_WORDS``: the scale pointers and strides are in
+    int32 words of four scale bytes (``fp8_tiles.scale_words``).
     """
     j = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -305,7 +308,7 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     wg_base = wg_ptr + n_ld[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     wu_base = wu_ptr + n_ld[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    sg_base = sg_ptr + n_ld[None, :].to(tl.int64) * stride_sn  # + column // 32 (W_FP8 only)
+    sg_base = sg_ptr + n_ld[None, :].to(tl.int64) * stride_sn  # + scale block (W_FP8 only; S_WORDS: in words)
     su_base = su_ptr + n_ld[None, :].to(tl.int64) * stride_sn
     for m0 in range(m_lo, end, n_groups * BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -322,12 +325,14 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 wu = tl.load(wu_base + k0)
                 if W_FP8:
                     if BLOCK_K >= 32:
-                        wg = _dequant(wg, block_scales(sg_base, k0, BLOCK_K, BLOCK_N), xa.dtype, W_F16)
-                        wu = _dequant(wu, block_scales(su_base, k0, BLOCK_K, BLOCK_N), xa.dtype, W_F16)
+                        fg = block_scale_factors(sg_base, k0, BLOCK_K, BLOCK_N, W_F16, S_WORDS)
+                        fu = block_scale_factors(su_base, k0, BLOCK_K, BLOCK_N, W_F16, S_WORDS)
                     else:
                         blk = ((k0 + offs_k) // 32)[:, None]
-                        wg = _dequant(wg, tl.load(sg_base + blk), xa.dtype, W_F16)
-                        wu = _dequant(wu, tl.load(su_base + blk), xa.dtype, W_F16)
+                        fg = scale_factor(scale_bytes(sg_base, blk, blk >= 0, S_WORDS), W_F16)
+                        fu = scale_factor(scale_bytes(su_base, blk, blk >= 0, S_WORDS), W_F16)
+                    wg = _dequant(wg, fg, xa.dtype, W_F16)
+                    wu = _dequant(wu, fu, xa.dtype, W_F16)
             else:
                 k_ok = offs_k + k0 < H
                 xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
@@ -335,8 +340,10 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 wu = tl.load(wu_base + k0, mask=k_ok[:, None], other=0.0)
                 if W_FP8:
                     blk = ((k0 + offs_k) // 32)[:, None]
-                    wg = _dequant(wg, tl.load(sg_base + blk, mask=k_ok[:, None], other=127), xa.dtype, W_F16)
-                    wu = _dequant(wu, tl.load(su_base + blk, mask=k_ok[:, None], other=127), xa.dtype, W_F16)
+                    fg = scale_factor(scale_bytes(sg_base, blk, k_ok[:, None], S_WORDS), W_F16)
+                    fu = scale_factor(scale_bytes(su_base, blk, k_ok[:, None], S_WORDS), W_F16)
+                    wg = _dequant(wg, fg, xa.dtype, W_F16)
+                    wu = _dequant(wu, fu, xa.dtype, W_F16)
             if W_F16:
                 xa = xa.to(tl.float16)  # a no-op where fused_moe passed x in f16
             if DOT_F32:
@@ -364,7 +371,7 @@ def _moe_gate_up_kernel(
     T, H, I, IS, alpha, limit,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr,
-    W_F16: tl.constexpr = False,
+    W_F16: tl.constexpr = False, S_WORDS: tl.constexpr = False,
 ):
     """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for the pairs of
     expert ``program_id(0)`` (``E``: the shared expert, whose N-tiles may be narrower so that
@@ -378,12 +385,12 @@ def _moe_gate_up_kernel(
         _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wg_ptr + stride_w13_up, stride_w13_n, sg_ptr,
                        sg_ptr + stride_s13_up, stride_s13_n, sorted_ptr, act_ptr,
                        stride_act, start, end, I, T * K, H, alpha, limit,
-                       K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, W_FP8, W_F16)
+                       K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, W_FP8, W_F16, S_WORDS)
     else:
         _gate_up_tiles(x_ptr, stride_x_t, sgu_ptr, sgu_ptr + stride_sgu_up, stride_sgu_n, ssgu_ptr,
                        ssgu_ptr + stride_ssgu_up, stride_ssgu_n, sorted_ptr, act_ptr,
                        stride_act, start, end, IS, T * K, H, alpha, limit,
-                       K, BLOCK_M, BLOCK_N_SHARED, BLOCK_K, EVEN_K, DOT_F32, W_FP8, W_F16)
+                       K, BLOCK_M, BLOCK_N_SHARED, BLOCK_K, EVEN_K, DOT_F32, W_FP8, W_F16, S_WORDS)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -397,6 +404,7 @@ def _moe_down_kernel(
     T, H, I, IS,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr, W_F16: tl.constexpr = False,
+    S_WORDS: tl.constexpr = False,
 ):
     """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32, one H-tile of one expert,
     over the M-tiles of its pairs this program owns (axis 2 splits them). ``W_FP8``: fp8 weights,
@@ -425,7 +433,7 @@ def _moe_down_kernel(
     h_ld = offs_h % H
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + h_ld[None, :].to(tl.int64) * stride_wh + offs_k[:, None]  # [BLOCK_K, BLOCK_H]
-    s_base = s_ptr + h_ld[None, :].to(tl.int64) * stride_sh  # + column // 32 (W_FP8 only)
+    s_base = s_ptr + h_ld[None, :].to(tl.int64) * stride_sh  # + scale block (W_FP8 only; S_WORDS: in words)
     for m0 in range(start + s * BLOCK_M, end, tl.num_programs(2) * BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         r_ok = rows < end
@@ -441,16 +449,18 @@ def _moe_down_kernel(
                 w = tl.load(w_base + k0)
                 if W_FP8:
                     if BLOCK_K >= 32:
-                        w = _dequant(w, block_scales(s_base, k0, BLOCK_K, BLOCK_H), a.dtype, W_F16)
+                        f = block_scale_factors(s_base, k0, BLOCK_K, BLOCK_H, W_F16, S_WORDS)
                     else:
-                        w = _dequant(w, tl.load(s_base + ((k0 + offs_k) // 32)[:, None]), a.dtype, W_F16)
+                        blk = ((k0 + offs_k) // 32)[:, None]
+                        f = scale_factor(scale_bytes(s_base, blk, blk >= 0, S_WORDS), W_F16)
+                    w = _dequant(w, f, a.dtype, W_F16)
             else:
                 k_ok = offs_k + k0 < KD
                 a = tl.load(a_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
                 if W_FP8:
-                    sc = tl.load(s_base + ((k0 + offs_k) // 32)[:, None], mask=k_ok[:, None], other=127)
-                    w = _dequant(w, sc, a.dtype, W_F16)
+                    sc = scale_bytes(s_base, ((k0 + offs_k) // 32)[:, None], k_ok[:, None], S_WORDS)
+                    w = _dequant(w, scale_factor(sc, W_F16), a.dtype, W_F16)
             if W_F16:
                 a = a.to(tl.float16)  # f16 already when the gate/up kernel wrote it (as fused_moe does)
             if DOT_F32:
@@ -602,7 +612,12 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     bn, bns, bk = cfg.gu_block_n, cfg.gu_block_n_shared, cfg.gu_block_k
     esz, wsz = x.element_size(), w13.element_size()  # activation and weight bytes (fp8: 1)
     # Without scales the scale pointers are never read (W_FP8=False): the weights stand in.
+    # The scales go as int32 words where all four allow it (pipelined loads: fp8_tiles).
     s13, s2, ssgu, ssd = scales if scales is not None else (w13, w2, shared_gate_up, shared_down)
+    words = [scale_words(sc) for sc in scales] if scales is not None else [None]
+    s_words = all(w is not None for w in words)
+    if s_words:
+        s13, s2, ssgu, ssd = words
     # f16 math: x converted once here (in the kernel, each warp would convert the whole
     # M-tile, its dot operand, on every K step: as many conversions as the weights take)
     x_in = x.to(torch.float16) if w_f16 and not dot_f32 else x
@@ -615,7 +630,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         sorted_pairs, off, act, act.stride(0),
         T, H, I, Is, float(alpha), float(limit),
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_N_SHARED=bns, BLOCK_K=bk, EVEN_K=H % bk == 0,
-        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16,
+        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=s_words,
         num_warps=cfg.gu_num_warps,
         num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m * esz + 2 * max(bn, bns) * wsz) * bk),
     )
@@ -629,7 +644,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         topk_w, sorted_pairs, off, y, y.stride(0),
         T, H, I, Is,
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_H=bh, BLOCK_K=bkd, EVEN_K=(I % bkd == 0 and Is % bkd == 0),
-        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, num_warps=cfg.down_num_warps,
+        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=s_words, num_warps=cfg.down_num_warps,
         num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m * esz + bh * wsz) * bkd),
     )
     cb = min(cfg.combine_block, max(16, next_pow2(H)))
