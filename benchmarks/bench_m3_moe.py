@@ -13,8 +13,9 @@ rotate over 2 routed weight sets (1.8 GB each) and 8 shared-expert sets.
 
 Paths: ``fused_moe`` for every ``moe_config_candidates(T)`` entry; with ``--mxfp8`` (on by
 default) also ``fused_moe`` on the same weights quantized to MXFP8 for every
-``moe_config_candidates(T, f16=True)`` entry (the bf16 shapes, then each with the f16
-dequantise-and-dot math, "mxfp8 f16"), its floor counting
+``moe_config_candidates(T, f16=True, fp8_mma=True)`` entry (the bf16 shapes, then each with
+the f16 dequantise-and-dot math, "mxfp8 f16", then the fp8 tensor-core tile sets, "mxfp8 mma"),
+its floor counting
 fp8 bytes plus a scale byte per 32 and its error taken against fp32 on the dequantised weights;
 the torch reference
 ``BlockSparseMoE.routed_grouped`` (sorted pairs + ``torch._grouped_mm``) + the shared MLP;
@@ -170,6 +171,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadline: float, device: str,
                  compiled: Callable | None) -> list[Row]:
     from models.minimax_m3.kernels.moe import fused_moe, moe_config_candidates, scales_fit_f16
+    from models.minimax_m3.kernels.moe_fp8_mma import fits_fp8_mma
     from models.minimax_m3.routing import RoutingSpread
 
     gen = torch.Generator(device=device).manual_seed(1000 + T)
@@ -214,12 +216,14 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
         ref8 = reference_fp32(x, ids, w, *wts.fp8[0][2])  # the dequantised weights
         nbytes8 = float((n_exp * 3 * inter * H + 3 * Is * H) * 33 / 32 + 2 * T * H * 2 + T * d.top_k * 8)
         f16 = all(scales_fit_f16(sc) for _, sc, _ in wts.fp8)
-        for ci, cfg in enumerate(moe_config_candidates(T, f16=f16)):
+        mma = all(fits_fp8_mma(H, inter, Is, tuple(sc)) for _, sc, _ in wts.fp8)
+        for ci, cfg in enumerate(moe_config_candidates(T, f16=f16, fp8_mma=mma)):
             def make8(i: int, out: torch.Tensor, cfg=cfg) -> Callable[[], None]:
                 q, sc, _ = wts.fp8[i]
                 return lambda: fused_moe(x, ids, w, *q, ALPHA, LIMIT, out, config=cfg, scales=sc)
 
-            run("fused_moe mxfp8" + (" f16" if cfg.fp8_f16 else ""), f"cand{ci}" + (" (default)" if ci == 0 else ""),
+            kind = " f16" if cfg.fp8_f16 else " mma" if cfg.fp8_mma else ""
+            run("fused_moe mxfp8" + kind, f"cand{ci}" + (" (default)" if ci == 0 else ""),
                 make8, ref8, nbytes8)
 
     def make_torch(fn: Callable) -> Callable[[int, torch.Tensor], Callable[[], None]]:

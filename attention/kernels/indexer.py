@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.tiles import StepTiles, check_tile_rows
-from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
+from attention.kernels.triton_utils import check_device, fp8_split_rows, interpreting, next_pow2, num_sms, pad_dim
 from attention.metadata import AttentionMetadata
 
 Tensor = torch.Tensor
@@ -53,34 +53,11 @@ def _pack_keys(score, block_id):
 
 
 @triton.jit
-def _fp8_split(q):
-    """A query tile ``[rows, Di]`` as two e4m3 tiles ``(hi, lo)`` with ``hi + lo ~= q * 2**e``.
-
-    Each row is scaled by its own power of two (its largest entry lands in ``[224, 448)``):
-    a row's scores are only ever compared with each other, so a positive per-row factor
-    leaves its selection unchanged and is never undone. ``hi`` carries e4m3's 4 significant
-    bits, ``lo`` the next 4, so the pair holds about a bf16's 8 and the scores of two fp8
-    dots track bf16 queries' (one fp8 query alone would err by ~2**-4 per entry).
-    """
-    qf = q.to(tl.float32)
-    # The exponent from the bits (``log2`` and ``/`` are approximate on the GPU), as
-    # ``attention.reference.indexer.fp8_query_split`` computes it: amax = m * 2**x with m in
-    # [1, 2); the largest e with amax * 2**e <= 448 = 1.75 * 2**8 is 8 - x, or 7 - x past m = 1.75.
-    bits = tl.max(tl.abs(qf), axis=1).to(tl.int32, bitcast=True)
-    e = 8 - (((bits >> 23) & 0xFF) - 127) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    e = tl.where(bits > 0, tl.minimum(tl.maximum(e, -126), 127), 0)  # an all-zero (padded) row: 2**0
-    qs = qf * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
-    hi = qs.to(tl.float8e4nv)
-    lo = (qs - hi.to(tl.float32)).to(tl.float8e4nv)
-    return hi, lo
-
-
-@triton.jit
 def _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI: tl.constexpr,
                DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr):
     """Scores ``[rows, keys]`` of the tile's queries against logical block ``b`` (page from
     the block-table row ``bt_row``). An fp8 cache is read by fp8 tensor-core dots against the
-    ``(q, q_lo)`` pair of :func:`_fp8_split` (``FP8_DOT``; no widening of the keys, which
+    ``(q, q_lo)`` pair of ``fp8_split_rows`` (``FP8_DOT``; no widening of the keys, which
     costs more than the bytes fp8 saves), or widened to fp32 under ``DOT_F32``."""
     page = tl.load(bt_row + b)
     kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
@@ -135,7 +112,7 @@ def _partial_kernel(
         if DOT_F32:
             q = q.to(tl.float32)
         elif FP8_DOT:
-            q, q_lo = _fp8_split(q)
+            q, q_lo, _ = fp8_split_rows(q)  # a row's scores are compared only with each other: 2**e stays
         cols = tl.arange(0, CHUNK)
         S = tl.full([BLOCK_M, CHUNK], float("-inf"), tl.float32)
         # Rows of one tile may belong to several sequences (tiles straddle request boundaries):

@@ -1,4 +1,4 @@
-"""Small helpers shared by the Triton attention kernels: interpreter detection, padding, SMs.
+"""Small helpers shared by the Triton kernels: interpreter detection, padding, SMs, the fp8 row split.
 
 The Triton interpreter (``TRITON_INTERPRET=1``) runs the same kernel source on the CPU, which
 is how these kernels are tested without a GPU. Its bf16 ``tl.dot`` is wrong, so every kernel
@@ -11,6 +11,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -109,3 +111,25 @@ def check_tile_config(config: object, dot_dims: tuple[str, ...]) -> None:
         v = getattr(config, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"{cls}.{name} must be a power of two >= 16 (a tl.dot dimension), got {v}")
+
+
+@triton.jit
+def fp8_split_rows(v):
+    """A tile ``[rows, C]`` as two e4m3 tiles ``(hi, lo)`` with ``hi + lo ~= v * 2**e`` and the
+    int32 exponents ``e [rows]`` (``common.fp8_split.fp8_split_rows`` is the same rounding in
+    torch, and documents it): each row scaled by its own power of two so that its largest entry
+    lands in ``[224, 448]``, ``hi`` with e4m3's 4 significant bits and ``lo`` the next 4 (about
+    a bf16's 8), for fp8 tensor-core dots against e4m3 operands. (Under the interpreter the
+    fp32 -> e4m3 cast drops the mantissa carry: check this on the GPU.)
+    """
+    vf = v.to(tl.float32)
+    # The exponent from the bits (``log2`` and ``/`` are approximate on the GPU): amax = m * 2**x
+    # with m in [1, 2); the largest e with amax * 2**e <= 448 = 1.75 * 2**8 is 8 - x, or 7 - x
+    # past m = 1.75.
+    bits = tl.max(tl.abs(vf), axis=1).to(tl.int32, bitcast=True)
+    e = 8 - (((bits >> 23) & 0xFF) - 127) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.where(bits > 0, tl.minimum(tl.maximum(e, -126), 127), 0)  # an all-zero (padded) row: 2**0
+    vs = vf * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+    hi = vs.to(tl.float8e4nv)
+    lo = (vs - hi.to(tl.float32)).to(tl.float8e4nv)
+    return hi, lo, e

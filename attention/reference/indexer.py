@@ -15,6 +15,7 @@ import torch
 
 from attention.metadata import AttentionMetadata
 from attention.reference.dense import acc_dtype, paged_gather
+from common.fp8_split import fp8_split_rows
 
 
 def block_scores(iq: torch.Tensor, ik: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -108,10 +109,5 @@ def fp8_query_split(iq: torch.Tensor) -> torch.Tensor:
     Returns:
         ``float32 [T, H, Di]``, ``hi + lo`` per row.
     """
-    qf = iq.float()
-    mant, exp = torch.frexp(qf.abs().amax(dim=-1, keepdim=True))  # amax = mant * 2**exp, mant in [0.5, 1)
-    e = (9 - exp - (mant > 0.875).int()).clamp(-126, 127)  # amax = (2 mant) 2**(exp - 1); 448 = 1.75 * 2**8
-    e = torch.where(mant > 0, e, torch.zeros_like(e))
-    qs = qf * torch.pow(2.0, e.float())
-    hi = qs.to(torch.float8_e4m3fn).float()
-    return hi + (qs - hi).to(torch.float8_e4m3fn).float()
+    hi, lo, _ = fp8_split_rows(iq)
+    return hi.float() + lo.float()

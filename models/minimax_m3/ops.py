@@ -204,8 +204,8 @@ class FusedMoE:
 
     def __init__(self, tuner: KernelTuner, simulation: RoutingSimulation | None = None) -> None:
         self.tuner, self.simulation = tuner, simulation
-        # model -> whether its MXFP8 scales allow f16 math: a property of the weights, read once
-        self._fits: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+        # model -> the MXFP8 candidate families its weights allow (f16, fp8_mma): read once
+        self._fits: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, bool]] = weakref.WeakKeyDictionary()
         self._configs: dict[int, object] = {}  # token count -> the validated MoEConfig
 
     def route(self, moe: BlockSparseMoE, x: torch.Tensor,
@@ -274,7 +274,7 @@ class FusedMoE:
         dev, dtype = x.device, x.dtype
         ids, w = self._probe_routing(moe, x)
         sh = moe.shared_experts
-        configs = moe_config_candidates(num_tokens, f16=moe.experts.quantized and self._fits_f16(model))
+        configs = moe_config_candidates(num_tokens, *self._fp8_paths(model, moe))
         if dev.type != "cuda" or not tune:
             configs = configs[:1]  # the default only (and the interpreter is slow)
         by_name = {f"config{i}": c for i, c in enumerate(configs)}
@@ -307,17 +307,28 @@ class FusedMoE:
             return
         moe, x = probe
         ids, w = self._probe_routing(moe, x)
-        for config in moe_config_candidates(num_tokens, f16=moe.experts.quantized and self._fits_f16(model)):
+        for config in moe_config_candidates(num_tokens, *self._fp8_paths(model, moe)):
             self.experts(moe, x, ids, w, config)
 
-    def _fits_f16(self, model: torch.nn.Module) -> bool:
-        """Whether every MoE layer's MXFP8 scales allow the f16-math candidates (read on the
-        host once per model, not once per token count)."""
+    def _fp8_paths(self, model: torch.nn.Module, moe: BlockSparseMoE) -> tuple[bool, bool]:
+        """Which MXFP8 candidate families every MoE layer allows, ``(f16, fp8_mma)``: f16 math
+        where the scales fit (``scales_fit_f16``), fp8 tensor-core dots where the shapes do
+        (``fits_fp8_mma``); both False for bf16 experts. Read on the host once per model, not
+        once per token count."""
         from .kernels.moe import scales_fit_f16
+        from .kernels.moe_fp8_mma import fits_fp8_mma
 
+        if not moe.experts.quantized:
+            return False, False
         if model not in self._fits:
-            scales = [moe_scales(m) for m in model.modules() if isinstance(m, BlockSparseMoE)]
-            self._fits[model] = bool(scales) and all(sc is not None and scales_fit_f16(sc) for sc in scales)
+            layers = [m for m in model.modules() if isinstance(m, BlockSparseMoE)]
+            scales = [moe_scales(m) for m in layers]
+            ok = bool(scales) and all(sc is not None for sc in scales)
+            f16 = ok and all(scales_fit_f16(sc) for sc in scales)
+            mma = ok and all(fits_fp8_mma(m.experts.w13.shape[2], m.experts.w13.shape[1] // 2,
+                                          m.shared_experts.gate_up_proj.weight.shape[0] // 2, tuple(sc))
+                             for m, sc in zip(layers, scales))
+            self._fits[model] = (f16, mma)
         return self._fits[model]
 
     def _probe_routing(self, moe: BlockSparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

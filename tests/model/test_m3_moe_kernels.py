@@ -19,6 +19,7 @@ from helpers.paged import DEV
 from helpers.triton_compile import run_compile_reports
 
 from models.minimax_m3.kernels import moe
+from models.minimax_m3.kernels import moe_fp8_mma as mma
 from models.minimax_m3.layers import BlockSparseMoE, local_expert_keys, route
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -253,7 +254,7 @@ def test_kernels_compile_for_hopper():
     cases = [[MOE, "_moe_count_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 256}, MOE_PTRS, [], 8, 1],
              [MOE, "_moe_align_kernel", align, MOE_PTRS, [], 8, 1],
              [MOE, "_moe_align_kernel", dict(align, NB_PAD=2, CHUNK=16), MOE_PTRS, [], 4, 1],
-             [MOE, "_moe_combine_kernel", {"K": 4, "BLOCK": 1024}, MOE_PTRS, [], 4, 1]]
+             [MOE, "_moe_combine_kernel", {"K": 4, "BLOCK": 1024, "SPLIT": 2}, MOE_PTRS, [], 4, 1]]
     for cfg in configs:
         cases += moe_compile_cases(cfg)
     cases += moe_compile_cases(configs[0], even=False) + moe_compile_cases(configs[4], even=False)
@@ -274,6 +275,30 @@ def test_kernels_compile_for_hopper():
         if cfg.block_m >= 64:  # one wgmma warpgroup needs 64 rows
             assert gu["wgmma"] and dn["wgmma"], (cfg, gu, dn)
     assert moe.default_moe_config(1054).block_m >= 64
+
+
+def test_fp8_mma_kernels_compile_for_hopper():
+    """The fp8 tensor-core path at the real shapes: e4m3 wgmma on the weights as stored, loads
+    through asynchronous copies, and the one plain load per K loop (per expert branch) the
+    scale words prefetched a step ahead; at least 3 programs fit an SM at decode (the
+    dequantising path's 238 registers allowed 2)."""
+    ptrs = {"xq_ptr": "fp8e4nv", "aq_ptr": "fp8e4nv", "fx_ptr": "fp32", "fa_ptr": "fp32", "w13_ptr": "fp8e4nv",
+            "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv", "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32",
+            "s2_ptr": "i32", "ssd_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32", "h_ptr": "fp32",
+            "y_ptr": "fp32", "topk_w_ptr": "fp32", "v_ptr": "bf16", "q_ptr": "fp8e4nv", "f_ptr": "fp32"}
+    M = "models.minimax_m3.kernels.moe_fp8_mma"
+    configs = moe._mma_candidates(1) + moe._mma_candidates(1054)
+    cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
+                     "DOT_F32": False}, ptrs, [], 4, c.mma_num_stages]
+             for c in configs for k in ("_gate_up_kernel", "_down_kernel")]
+    cases += [[M, "_split_rows_kernel", {"BLOCK": 8192}, ptrs, [], 8, 1],
+              [M, "_swiglu_split_kernel", {"E": REAL["E"], "SPLIT": 2, "BLOCK": 4096}, ptrs, ["alpha", "limit"], 8, 1]]
+    reports = run_compile_reports(cases)
+    gemms = reports[:-2]
+    assert all(r["fp8_wgmma"] and r["cp_async"] for r in gemms), gemms
+    assert all(r["k_loop_loads"] == (2 if i % 2 == 0 else 1) for i, r in enumerate(gemms)), gemms
+    decode = gemms[: 2 * len(moe._mma_candidates(1))]
+    assert all(65536 // (r["regs"] * 128) >= 3 and r["shared"] <= 227 * 1024 // 3 for r in decode[:8]), decode
 
 
 # ---- GPU: real shapes ------------------------------------------------------------------------
@@ -436,9 +461,9 @@ def test_cuda_fp8_real_shapes_match_dequantized_bf16(T):
     w8, scales, deq = quantized(pb)
     head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
     want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
-    for cfg in moe.moe_config_candidates(T, f16=True):  # f16 math too
+    for cfg in moe.moe_config_candidates(T, f16=True, fp8_mma=True):  # f16 math and fp8 tensor-core dots too
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
-        if not cfg.fp8_f16:  # f16 math rounds x and the activation otherwise than the bf16 kernels
+        if not (cfg.fp8_f16 or cfg.fp8_mma):  # these round x and the activation otherwise than the bf16 kernels
             assert_fp8_matches(out, moe.fused_moe(*head, *deq, *tail, pb.poisoned_out(), config=cfg), cfg)
         assert rel_err(out, want) < 1e-2, cfg
 
@@ -476,3 +501,90 @@ def test_scale_words_only_where_the_layout_allows():
     assert scale_words(s[..., :6]) is None  # a row of 6 bytes
     assert scale_words(s.reshape(-1)[1:41].reshape(5, 8)) is None  # starts 1 byte into a word
     assert scale_words(s.view(-1)[:8].view(torch.int8)) is None  # not E8M0 bytes
+
+
+
+# ---- MXFP8 on fp8 tensor-core dots (moe_fp8_mma) ------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 5, 40, 100])
+def test_fp8_mma_candidates_track_the_dequantized_weights(T):
+    """The fp8 tensor-core candidates (weights as stored, x and the activation split into two
+    e4m3 parts) against the torch twin on the dequantised weights: within the split's rounding
+    (about a bf16's 8 bits) on CPU, where the interpreter's dots run in fp32."""
+    pb = Problem(T, E=6, seed=80 + T, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, **FP8_EVEN)
+    w8, scales, deq = quantized(pb)
+    assert mma.fits_fp8_mma(FP8_EVEN["H"], FP8_EVEN["inter"], FP8_EVEN["Is"], tuple(scales))
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    configs = [c for c in moe.moe_config_candidates(T, fp8_mma=True) if c.fp8_mma]
+    assert configs and configs == moe._mma_candidates(T)
+    for cfg in configs:
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 3e-3), cfg
+
+
+def test_fp8_mma_refuses_shapes_it_cannot_tile():
+    pb = Problem(3, E=2, seed=3, dtype=torch.float32, **FP8_SMALL)  # H = 64: not a multiple of 128
+    w8, scales, _ = quantized(pb)
+    assert not mma.fits_fp8_mma(64, 32, 64, tuple(scales))
+    with pytest.raises(ValueError, match="fp8_mma needs H, I and Is multiples of 128"):
+        moe.fused_moe(pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT, pb.poisoned_out(), config=moe._mma_candidates(3)[0],
+                      scales=scales)
+
+
+def test_fp8_split_rows_torch_rounding():
+    """``common.fp8_split``: the largest entry of a row scaled into [224, 448], hi + lo within
+    2**-8 of it, all-zero rows kept at 2**0."""
+    from common.fp8_split import fp8_split_rows
+
+    rows = torch.tensor([1e-3, 1.0, 7.0, 300.0, 0.0])[:, None]
+    v = torch.randn(5, 300, generator=torch.Generator().manual_seed(1)) * rows
+    hi, lo, e = fp8_split_rows(v)
+    amax = v.abs().amax(dim=1, keepdim=True) * torch.pow(2.0, e.float())
+    assert torch.all((amax[:4] >= 224) & (amax[:4] <= 448)) and int(e[4]) == 0 and torch.all(hi[4].float() == 0)
+    back = (hi.float() + lo.float()) * torch.pow(2.0, -e.float())
+    assert torch.all((back - v).abs()[:4] <= 2.0 ** -8 * v.abs().amax(dim=1, keepdim=True)[:4])
+
+
+@pytest.mark.cuda
+def test_cuda_split_rows_kernel_equals_torch():
+    """The Triton row split rounds exactly as ``common.fp8_split`` (the interpreter cannot show
+    it: its e4m3 cast drops the mantissa carry), including rows of zeros and of tiny values."""
+    from common.fp8_split import fp8_split_rows
+
+    v = torch.randn(7, 6144, device=DEV) * torch.tensor([1e-30, 1e-3, 1.0, 50.0, 3e4, 0.0, 1.0], device=DEV)[:, None]
+    v[6, 100] = 448.0
+    for x in (v.to(torch.bfloat16), v):
+        q, f = mma.split_rows(x)
+        hi, lo, e = fp8_split_rows(x)
+        assert torch.equal(q[0].view(torch.uint8), hi.view(torch.uint8))
+        assert torch.equal(q[1].view(torch.uint8), lo.view(torch.uint8))
+        assert torch.equal(f, torch.pow(2.0, -e.float()).reshape(-1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 32])
+def test_cuda_fp8_mma_replay_is_bit_identical(T):
+    """A captured fp8 tensor-core MoE replays bit-identically to eager runs of the same inputs,
+    routing and x changed in place between replays (no atomics, fixed orders)."""
+    pb = real_problem(T, seed=300 + T)
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    pb.ids, pb.w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
+    w8, scales, _ = quantized(pb)
+    cfg = moe._mma_candidates(T)[1]  # K split in two: the combine sums the splits
+    args = lambda: (pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT)  # noqa: E731
+    out = pb.poisoned_out()
+    moe.fused_moe(*args(), out, config=cfg, scales=scales)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.fused_moe(*args(), out, config=cfg, scales=scales)
+    for _ in range(2):
+        ids, w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
+        pb.ids.copy_(ids)
+        pb.w.copy_(w)
+        pb.x.copy_(torch.randn(pb.x.shape, generator=gen, device=DEV).to(pb.x.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe.fused_moe(*args(), pb.poisoned_out(), config=cfg, scales=scales))

@@ -17,6 +17,7 @@ from models.minimax_m3.kernels.fp8_linear import (
     dequantized_linear,
     linear_config_candidates,
     mxfp8_linear,
+    split_plan,
 )
 from models.minimax_m3.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
@@ -88,6 +89,18 @@ def test_kernels_compile_for_hopper():
     # ... the scales too: read as bytes they stayed synchronous loads in the loop (Triton
     # pipelines only loads of >= 4 bytes per element), a memory latency on every K step.
     assert all(r["k_loop_loads"] == 0 for r in reports), reports
+
+
+def test_real_shapes_take_the_unmasked_k_loop():
+    """Every candidate at the real projection shapes splits K into whole, equal K steps (the
+    masked loop, for other shapes, reads scales per element: a split that did not divide K sent
+    the dense MLP's down projection there, and on the H200 it asked for 300-400 KB of shared
+    memory)."""
+    for t in (1, 8, 64, 1054):
+        for n, k in REAL:
+            for cfg in linear_config_candidates(t, n, k):
+                split, per, even = split_plan(k, cfg)
+                assert even and split * per == k and 1 <= split <= cfg.split_k, (n, k, cfg)
 
 
 def test_triton_dequantize_is_exact_and_feeds_f_linear():

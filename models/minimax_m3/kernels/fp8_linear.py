@@ -29,7 +29,7 @@ from attention.kernels.triton_utils import check_device, check_tile_config, inte
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8
 
-from .fp8_tiles import block_scale_factors, dequant_fp8, scale_bytes, scale_factor, scale_words
+from .fp8_tiles import block_scale_factors, dequant_fp8, scale_words
 
 Tensor = torch.Tensor
 
@@ -108,13 +108,14 @@ def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_
         if EVEN:
             xa = tl.load(x_base + k0, mask=r_ok[:, None], other=0.0)
             w = tl.load(w_base + k0)
-            f = block_scale_factors(s_base, k_lo + k0, BLOCK_K, BLOCK_N, False, S_WORDS)
+            f = block_scale_factors(s_base, k_lo + k0, K, BLOCK_K, BLOCK_N, False, S_WORDS, False)
         else:
             k_ok = offs_k + k0 + k_lo < K
             xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
-            f = scale_factor(scale_bytes(s_base, ((k_lo + k0 + offs_k) // 32)[:, None], k_ok[:, None], S_WORDS),
-                             False)
+            # K is a multiple of 32: blocks mask exactly (per-element scale loads, 4-byte words
+            # pipelined into shared memory, asked for 300-400 KB of it on the H200)
+            f = block_scale_factors(s_base, k_lo + k0, K, BLOCK_K, BLOCK_N, False, S_WORDS, True)
         wd = w.to(tl.float32) * f
         if DOT_F32:
             acc = tl.dot(xa.to(tl.float32), wd, acc, input_precision="ieee")
@@ -133,6 +134,17 @@ def _split_sum_kernel(part_ptr, stride_split, out_ptr, T, N, SPLIT: tl.constexpr
     for s in tl.static_range(SPLIT):
         acc += tl.load(part_ptr + s * stride_split + i, mask=ok, other=0.0)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def split_plan(k: int, cfg: LinearConfig) -> tuple[int, int, bool]:
+    """``(splits, columns per split, even)`` of a K of ``k`` under ``cfg``: at most
+    ``cfg.split_k`` splits of whole K steps, their count a divisor of the steps so that every
+    split is full and the K loop needs no masks (``even``) whenever ``block_k`` divides K (the
+    masked loop reads its scales per element and is for other shapes only)."""
+    steps = triton.cdiv(k, cfg.block_k)
+    split = max(d for d in range(1, min(cfg.split_k, steps) + 1) if steps % d == 0)
+    k_per_split = steps // split * cfg.block_k
+    return split, k_per_split, k % k_per_split == 0
 
 
 def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None = None,
@@ -162,10 +174,7 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
     if t == 0:
         return out
     cfg = config or default_linear_config(t, n, k)
-    steps = triton.cdiv(k, cfg.block_k)
-    split = min(cfg.split_k, steps)
-    k_per_split = triton.cdiv(steps, split) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)  # every split gets work
+    split, k_per_split, even = split_plan(k, cfg)
     dot_f32 = interpreting() or x.dtype == torch.float32
     target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(t, cfg.block_m), split)
@@ -174,9 +183,8 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
     _mxfp8_linear_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), scales, scales.stride(0), target,
         0 if split == 1 else target.stride(0), n, t, n, k, k_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=k % k_per_split == 0 and
-        k_per_split % cfg.block_k == 0, DOT_F32=dot_f32, S_WORDS=words is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=even, DOT_F32=dot_f32,
+        S_WORDS=words is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(t * n, block),)](target, target.stride(0), out, t, n, SPLIT=split,
@@ -218,4 +226,4 @@ def dequantized_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
 
 
 __all__ = ["LinearConfig", "default_linear_config", "dequantize_mxfp8_triton", "dequantized_linear", "mxfp8_linear",
-           "linear_config_candidates"]
+           "linear_config_candidates", "split_plan"]

@@ -66,18 +66,21 @@ def dequant_fp8(q, scale_byte):
 
 
 @triton.jit
-def block_scale_factors(s_base, k, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F16: tl.constexpr,
-                        WORDS: tl.constexpr):
+def block_scale_factors(s_base, k, k_end, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F16: tl.constexpr,
+                        WORDS: tl.constexpr, MASKED: tl.constexpr):
     """The scale factors (``scale_factor``) of columns ``[k, k + BLOCK_K)`` as a ``[BLOCK_K,
     BLOCK_N]`` tile (``BLOCK_K >= 32``, ``k`` a multiple of 32): one load and one factor per 32
     columns, broadcast over them in registers; ``s_base`` points at each N row's scales
     ``[1, BLOCK_N]``. With ``WORDS`` each load is the int32 word holding the block's byte (four
     neighbouring blocks load the same word: the bytes from memory are the same, and a 4-byte
-    load is one Triton pipelines)."""
+    load is one Triton pipelines). ``MASKED``: blocks from column ``k_end`` on (a multiple of
+    32) read a unit scale (their weights are masked off by the caller)."""
     nb: tl.constexpr = BLOCK_K // 32
     blk = (k // 32 + tl.arange(0, nb))[:, None]
-    if WORDS:
-        sc = (tl.load(s_base + blk // 4) >> ((blk % 4) * 8)) & 0xFF  # [nb, BLOCK_N]
+    if MASKED:
+        sc = scale_bytes(s_base, blk, blk < k_end // 32, WORDS)  # [nb, BLOCK_N]
+    elif WORDS:
+        sc = (tl.load(s_base + blk // 4) >> ((blk % 4) * 8)) & 0xFF
     else:
         sc = tl.load(s_base + blk).to(tl.int32)
     f = scale_factor(sc, F16)

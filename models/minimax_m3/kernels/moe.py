@@ -54,7 +54,8 @@ from models.minimax_m3.layers import swiglu_oai_f32
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
-from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_bytes, scale_factor, scale_words
+from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_words
+from .moe_fp8_mma import MMA_BLOCK_K, experts_fp8_mma, fits_fp8_mma
 
 Tensor = torch.Tensor
 
@@ -91,6 +92,11 @@ class MoEConfig:
             differ from the bf16 path by f16 rounding of x and the activation (finer than
             bf16's within f16's range); only for scales within ``F16_SCALE_EXPONENTS``
             (``scales_fit_f16``).
+        fp8_mma: MXFP8 weights only: the fp8 tensor-core path of ``moe_fp8_mma`` (weights as
+            the dots' e4m3 operand, the rows split into two e4m3 parts; no dequantise) with its
+            own tiles: ``mma_block_n`` weight rows per program (64: one wgmma), ``mma_block_t``
+            pairs per tile (the wgmma N), ``mma_split`` programs splitting each K, and
+            ``mma_num_stages``. The other tile fields are unused then.
     """
 
     block_m: int = 16
@@ -106,6 +112,11 @@ class MoEConfig:
     m_split: int = 1
     combine_block: int = 1024
     fp8_f16: bool = False
+    fp8_mma: bool = False
+    mma_block_n: int = 64
+    mma_block_t: int = 16
+    mma_split: int = 1
+    mma_num_stages: int = 4
 
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h",
@@ -113,6 +124,9 @@ class MoEConfig:
         for name in ("gu_num_warps", "down_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"MoEConfig.{name} must be one of 1, 2, 4, 8, 16, got {getattr(self, name)}")
+        if self.mma_block_n not in (64, 128) or self.mma_block_t not in (8, 16, 32, 64) or self.mma_split < 1:
+            raise ValueError(f"MoEConfig: mma_block_n must be 64 or 128, mma_block_t one of 8, 16, 32, 64 and "
+                             f"mma_split >= 1, got {self.mma_block_n}, {self.mma_block_t}, {self.mma_split}")
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"MoEConfig.combine_block must be a power of two, got {self.combine_block}")
 
@@ -142,13 +156,27 @@ def default_moe_config(num_tokens: int) -> MoEConfig:
 # 351.6 us, T=1: 76.8 vs 86.0 us).
 
 
-def moe_config_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
+def moe_config_candidates(num_tokens: int, f16: bool = False, fp8_mma: bool = False) -> list[MoEConfig]:
     """A few valid configs for ``num_tokens`` rows, the default first (for warm-up checks and
     timing on the GPU). All of them fit Hopper's shared memory at the M3 shapes. ``f16``
     (MXFP8 weights whose scales fit, ``scales_fit_f16``): then each of them again with
-    ``fp8_f16`` math."""
+    ``fp8_f16`` math. ``fp8_mma`` (MXFP8 weights whose shapes fit, ``fits_fp8_mma``): then the
+    fp8 tensor-core tile sets too."""
     base = _shared_candidates(num_tokens)
-    return base + [replace(c, fp8_f16=True) for c in base] if f16 else base
+    out = base + [replace(c, fp8_f16=True) for c in base] if f16 else list(base)
+    return out + _mma_candidates(num_tokens) if fp8_mma else out
+
+
+def _mma_candidates(num_tokens: int) -> list[MoEConfig]:
+    """fp8 tensor-core tile sets: at decode the pairs of an expert fit one 16-pair tile, and
+    splitting K adds programs where few experts have pairs (decode 1: one expert and the shared
+    one); at prefill wider pair tiles."""
+    if num_tokens <= _DECODE_MAX_TOKENS:
+        sets = [(64, 16, 1, 4), (64, 16, 2, 4), (64, 16, 4, 4), (128, 16, 1, 3), (64, 16, 1, 6)]
+    else:
+        sets = [(64, 64, 1, 3), (128, 64, 1, 3), (64, 32, 1, 4), (128, 32, 2, 3)]
+    return [MoEConfig(fp8_mma=True, mma_block_n=n, mma_block_t=t, mma_split=s, mma_num_stages=st)
+            for n, t, s, st in sets]
 
 
 def scales_fit_f16(scales: "MoEScales") -> bool:
@@ -323,14 +351,9 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 xa = tl.load(x_base + k0, mask=r_ok[:, None], other=0.0)
                 wg = tl.load(wg_base + k0)
                 wu = tl.load(wu_base + k0)
-                if W_FP8:
-                    if BLOCK_K >= 32:
-                        fg = block_scale_factors(sg_base, k0, BLOCK_K, BLOCK_N, W_F16, S_WORDS)
-                        fu = block_scale_factors(su_base, k0, BLOCK_K, BLOCK_N, W_F16, S_WORDS)
-                    else:
-                        blk = ((k0 + offs_k) // 32)[:, None]
-                        fg = scale_factor(scale_bytes(sg_base, blk, blk >= 0, S_WORDS), W_F16)
-                        fu = scale_factor(scale_bytes(su_base, blk, blk >= 0, S_WORDS), W_F16)
+                if W_FP8:  # BLOCK_K >= 32 with fp8 weights (fused_moe checks)
+                    fg = block_scale_factors(sg_base, k0, H, BLOCK_K, BLOCK_N, W_F16, S_WORDS, False)
+                    fu = block_scale_factors(su_base, k0, H, BLOCK_K, BLOCK_N, W_F16, S_WORDS, False)
                     wg = _dequant(wg, fg, xa.dtype, W_F16)
                     wu = _dequant(wu, fu, xa.dtype, W_F16)
             else:
@@ -338,10 +361,9 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
                 xa = tl.load(x_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 wg = tl.load(wg_base + k0, mask=k_ok[:, None], other=0.0)
                 wu = tl.load(wu_base + k0, mask=k_ok[:, None], other=0.0)
-                if W_FP8:
-                    blk = ((k0 + offs_k) // 32)[:, None]
-                    fg = scale_factor(scale_bytes(sg_base, blk, k_ok[:, None], S_WORDS), W_F16)
-                    fu = scale_factor(scale_bytes(su_base, blk, k_ok[:, None], S_WORDS), W_F16)
+                if W_FP8:  # H is a multiple of 32 with fp8 weights: blocks mask exactly
+                    fg = block_scale_factors(sg_base, k0, H, BLOCK_K, BLOCK_N, W_F16, S_WORDS, True)
+                    fu = block_scale_factors(su_base, k0, H, BLOCK_K, BLOCK_N, W_F16, S_WORDS, True)
                     wg = _dequant(wg, fg, xa.dtype, W_F16)
                     wu = _dequant(wu, fu, xa.dtype, W_F16)
             if W_F16:
@@ -447,20 +469,16 @@ def _moe_down_kernel(
             if EVEN_K:
                 a = tl.load(a_base + k0, mask=r_ok[:, None], other=0.0)
                 w = tl.load(w_base + k0)
-                if W_FP8:
-                    if BLOCK_K >= 32:
-                        f = block_scale_factors(s_base, k0, BLOCK_K, BLOCK_H, W_F16, S_WORDS)
-                    else:
-                        blk = ((k0 + offs_k) // 32)[:, None]
-                        f = scale_factor(scale_bytes(s_base, blk, blk >= 0, S_WORDS), W_F16)
+                if W_FP8:  # BLOCK_K >= 32 with fp8 weights (fused_moe checks)
+                    f = block_scale_factors(s_base, k0, KD, BLOCK_K, BLOCK_H, W_F16, S_WORDS, False)
                     w = _dequant(w, f, a.dtype, W_F16)
             else:
                 k_ok = offs_k + k0 < KD
                 a = tl.load(a_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k0, mask=k_ok[:, None], other=0.0)
-                if W_FP8:
-                    sc = scale_bytes(s_base, ((k0 + offs_k) // 32)[:, None], k_ok[:, None], S_WORDS)
-                    w = _dequant(w, scale_factor(sc, W_F16), a.dtype, W_F16)
+                if W_FP8:  # KD is a multiple of 32 with fp8 weights: blocks mask exactly
+                    f = block_scale_factors(s_base, k0, KD, BLOCK_K, BLOCK_H, W_F16, S_WORDS, True)
+                    w = _dequant(w, f, a.dtype, W_F16)
             if W_F16:
                 a = a.to(tl.float16)  # f16 already when the gate/up kernel wrote it (as fused_moe does)
             if DOT_F32:
@@ -473,18 +491,22 @@ def _moe_down_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])
-def _moe_combine_kernel(y_ptr, stride_y, pos_ptr, out_ptr, stride_o_t, T, H,
-                        K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_k y[pos(t, k)] (valid pairs, k ascending) + y[pos(shared, t)]."""
+def _moe_combine_kernel(y_ptr, stride_y_split, stride_y, pos_ptr, out_ptr, stride_o_t, T, H,
+                        K: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """out[t] = sum_k y[pos(t, k)] (valid pairs, k ascending) + y[pos(shared, t)], each pair's
+    ``SPLIT`` partial sums (``y [SPLIT, P + T, H]``) in split order."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     h_ok = h < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(K):
         pos = tl.load(pos_ptr + t * K + k)
-        acc += tl.load(y_ptr + pos.to(tl.int64) * stride_y + h, mask=h_ok & (pos >= 0), other=0.0)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(y_ptr + s * stride_y_split + pos.to(tl.int64) * stride_y + h, mask=h_ok & (pos >= 0),
+                           other=0.0)
     pos_s = tl.load(pos_ptr + T * K + t)
-    acc += tl.load(y_ptr + pos_s.to(tl.int64) * stride_y + h, mask=h_ok, other=0.0)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(y_ptr + s * stride_y_split + pos_s.to(tl.int64) * stride_y + h, mask=h_ok, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_o_t + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -601,15 +623,39 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         return out
     cfg = config or default_moe_config(d.T)
     T, H, K, E, I, Is = d.T, d.H, d.K, d.E, d.I, d.Is
+    off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
+    if cfg.fp8_mma and scales is not None:
+        if not fits_fp8_mma(H, I, Is, tuple(scales)):
+            raise ValueError(f"MoEConfig.fp8_mma needs H, I and Is multiples of {MMA_BLOCK_K} (got {H}, {I}, {Is}) "
+                             "and scales readable as int32 words (fp8_tiles.scale_words); pick another config")
+        y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
+                            sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages)
+    else:
+        y = _experts_dequant(x, topk_w, w13, w2, shared_gate_up, shared_down, alpha, limit, cfg, scales, d, off,
+                             sorted_pairs)[None]
+    cb = min(cfg.combine_block, max(16, next_pow2(H)))
+    _moe_combine_kernel[(T, triton.cdiv(H, cb))](y, y.stride(0), y.stride(1), pair_pos, out, out.stride(0), T, H, K=K,
+                                                 BLOCK=cb, SPLIT=y.shape[0], num_warps=4)
+    return out
+
+
+def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
+                     alpha: float, limit: float, cfg: MoEConfig, scales: MoEScales | None, d: _Dims, off: Tensor,
+                     sorted_pairs: Tensor) -> Tensor:
+    """The weighted per-pair outputs ``y [P + T, H]`` fp32 of the bf16 (or dequantised MXFP8)
+    gate/up and down kernels, for the combine."""
+    T, H, K, E, I, Is = d.T, d.H, d.K, d.E, d.I, d.Is
     P = T * K
     dev = x.device
     dot_f32 = interpreting() or x.dtype == torch.float32  # the interpreter's bf16 dot is wrong
     w_f16 = scales is not None and cfg.fp8_f16
     act = torch.empty(P + T, max(I, Is), dtype=torch.float16 if w_f16 and not dot_f32 else x.dtype, device=dev)
     y = torch.empty(P + T, H, dtype=torch.float32, device=dev)
-    off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
 
     bn, bns, bk = cfg.gu_block_n, cfg.gu_block_n_shared, cfg.gu_block_k
+    if scales is not None and min(bk, cfg.down_block_k) < MX_BLOCK:
+        raise ValueError(f"MoEConfig with MXFP8 weights needs gu_block_k and down_block_k >= {MX_BLOCK} (one scale per "
+                         f"{MX_BLOCK} columns), got {bk} and {cfg.down_block_k}")
     esz, wsz = x.element_size(), w13.element_size()  # activation and weight bytes (fp8: 1)
     # Without scales the scale pointers are never read (W_FP8=False): the weights stand in.
     # The scales go as int32 words where all four allow it (pipelined loads: fp8_tiles).
@@ -647,10 +693,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=s_words, num_warps=cfg.down_num_warps,
         num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m * esz + bh * wsz) * bkd),
     )
-    cb = min(cfg.combine_block, max(16, next_pow2(H)))
-    _moe_combine_kernel[(T, triton.cdiv(H, cb))](y, y.stride(0), pair_pos, out, out.stride(0), T, H, K=K, BLOCK=cb,
-                                                 num_warps=4)
-    return out
+    return y
 
 
 # --------------------------------------------------------------------------------------------

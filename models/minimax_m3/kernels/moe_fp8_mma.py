@@ -1,0 +1,324 @@
+"""The fused MoE's two GEMMs on MXFP8 weights with fp8 tensor-core dots (``MoEConfig.fp8_mma``).
+
+The other MXFP8 paths of ``moe`` dequantise every weight in registers before a bf16 / f16 dot.
+An H200 profile (ncu, decode 32, 10 experts) showed that path short of issue slots and of warps:
+238 registers per thread, 2 programs per SM, one instruction per 2.1 cycles, 2.0 TB/s. Here the
+weights never pass through registers: they are the dots' ``A`` operand as stored (e4m3, from
+shared memory), one dot per 32-column scale block, each product scaled by its block's E8M0 factor
+into an fp32 accumulator. The rows of the step (the few pairs routed to an expert) are the ``B``
+operand (the product is ``W @ rows^T``, "swap AB": wgmma's M of 64 goes to the weight rows, its
+N of 8-16 to the pairs, so a decode step pads nothing to 64). Each row is split into two e4m3
+parts ``hi + lo`` scaled by a power of two (``fp8_split_rows``: about a bf16's 8 significant
+bits); the split's factor is undone in the epilogue.
+
+Launches, after ``moe_align`` (same sorted pairs as the other paths):
+
+1. ``split_rows``: x ``[T, H]`` -> ``xq [2, T, H]`` e4m3 and ``fx [T]`` (``2**-e``).
+2. ``_gate_up_kernel``, grid ``(E + 1, max(2I, 2Is) / BLOCK_N, split)``: the pre-activations
+   ``h[s, pos, n] = fx * sum_k W13[n, k] xq[tok(pos), k]`` over K-range ``s`` of H, fp32.
+   Gate and up rows are separate N-tiles (twice the programs of a fused tile, so one expert at
+   decode 1 still spreads over ~100 programs); the split over H adds programs where there are
+   few pairs.
+3. ``_swiglu_split_kernel``, one program per sorted pair: sums the splits, SwiGLU-OAI in fp32,
+   splits the activation row like x (``aq [2, P + T, I]``, ``fa``).
+4. ``_down_kernel``, grid ``(E + 1, H / BLOCK_N, split)``: ``y[s, pos, h] = w_pair * fa *
+   sum_k W2[h, k] aq[pos, k]`` over K-range ``s`` of I (Is for the shared expert).
+5. ``moe``'s combine kernel sums the splits and the pairs in a fixed order.
+
+No atomics; every output element has one writer and a fixed order, so graph replays are
+bit-identical to eager runs of the same shapes. Grids depend on T and the weight shapes only.
+Needs H, I and Is multiples of ``MMA_BLOCK_K`` and scales readable as int32 words
+(``fits_fp8_mma``). Under the Triton interpreter the two row splits run in torch (the
+interpreter's fp32 -> e4m3 cast drops the mantissa carry); the GEMMs run in the interpreter on
+fp32 dots of the same e4m3 values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.kernels.triton_utils import fp8_split_rows, interpreting, next_pow2
+from common.fp8_split import fp8_split_rows as fp8_split_rows_torch
+from models.minimax_m3.layers import swiglu_oai_f32
+
+from .fp8_tiles import scale_factor, scale_words
+
+Tensor = torch.Tensor
+
+# Columns per K step: four 32-column scale blocks, one int32 word of scales per weight row.
+MMA_BLOCK_K = 128
+
+
+def fits_fp8_mma(H: int, I: int, Is: int, scales: tuple[Tensor, ...]) -> bool:
+    """Whether the fp8 tensor-core path takes these shapes: every K a multiple of
+    ``MMA_BLOCK_K`` and every scale tensor readable as int32 words."""
+    return all(k % MMA_BLOCK_K == 0 for k in (H, I, Is)) and all(scale_words(s) is not None for s in scales)
+
+
+# --------------------------------------------------------------------------------------------
+# row splits (x, and the activation)
+
+
+@triton.jit
+def _split_rows_kernel(v_ptr, stride_v, q_ptr, stride_q_part, stride_q, f_ptr, C, BLOCK: tl.constexpr):
+    """Row ``program_id(0)`` of ``v`` as ``q[0] + q[1] ~= v * 2**e`` (e4m3) and ``f = 2**-e``."""
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    ok = c < C
+    v = tl.load(v_ptr + r.to(tl.int64) * stride_v + c, mask=ok, other=0.0)
+    hi, lo, e = fp8_split_rows(v[None, :])
+    base = q_ptr + r.to(tl.int64) * stride_q + c[None, :]
+    tl.store(base, hi, mask=ok[None, :])
+    tl.store(base + stride_q_part, lo, mask=ok[None, :])
+    tl.store(f_ptr + r + tl.arange(0, 1), scale_factor(127 - e, False))
+
+
+def split_rows(v: Tensor) -> tuple[Tensor, Tensor]:
+    """``v [R, C]`` -> ``q [2, R, C]`` e4m3 (``q[0] + q[1] ~= v * 2**e`` per row) and fp32
+    ``f [R] = 2**-e`` (``common.fp8_split``), one launch (torch under the interpreter)."""
+    R, C = v.shape
+    if interpreting():
+        hi, lo, e = fp8_split_rows_torch(v)
+        return torch.stack([hi, lo]), torch.pow(2.0, -e.float()).reshape(R)
+    q = torch.empty(2, R, C, dtype=torch.float8_e4m3fn, device=v.device)
+    f = torch.empty(R, dtype=torch.float32, device=v.device)
+    if R:
+        block = next_pow2(C)
+        _split_rows_kernel[(R,)](v, v.stride(0), q, q.stride(0), q.stride(1), f, C, BLOCK=block,
+                                 num_warps=8 if block >= 4096 else 4)
+    return q, f
+
+
+@triton.jit
+def _swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, stride_aq_part, stride_aq, fa_ptr,
+                         I, IS, alpha, limit, E: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Sorted pair ``r``: ``act = SwiGLU-OAI(sum_s h[s, r, :N], sum_s h[s, r, N:2N])`` (N = I for
+    a routed pair, Is for a shared one), split like x into ``aq[:, r]`` and ``fa[r]``."""
+    r = tl.program_id(0)
+    n_routed = tl.load(off_ptr + E)
+    if r < tl.load(off_ptr + E + 1):
+        N = tl.where(r < n_routed, I, IS)
+        c = tl.arange(0, BLOCK)
+        ok = c < N
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+        u = tl.zeros([BLOCK], dtype=tl.float32)
+        row = h_ptr + r.to(tl.int64) * stride_h
+        for s in tl.static_range(SPLIT):
+            g += tl.load(row + s * stride_h_split + c, mask=ok, other=0.0)
+            u += tl.load(row + s * stride_h_split + N + c, mask=ok, other=0.0)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        a = tl.where(ok, g * tl.sigmoid(alpha * g) * (u + 1.0), 0.0)
+        hi, lo, e = fp8_split_rows(a[None, :])
+        base = aq_ptr + r.to(tl.int64) * stride_aq + c[None, :]
+        tl.store(base, hi, mask=ok[None, :])
+        tl.store(base + stride_aq_part, lo, mask=ok[None, :])
+        tl.store(fa_ptr + r + tl.arange(0, 1), scale_factor(127 - e, False))
+
+
+def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, limit: float) -> tuple[Tensor, Tensor]:
+    """The activations of the gate/up pre-activations ``h [split, P + T, 2 * max(I, Is)]``:
+    ``aq [2, P + T, max(I, Is)]`` e4m3 and ``fa [P + T]`` (rows past ``off[E + 1]`` untouched)."""
+    S, R, _ = h.shape
+    width = max(I, Is)
+    aq = torch.empty(2, R, width, dtype=torch.float8_e4m3fn, device=h.device)
+    fa = torch.empty(R, dtype=torch.float32, device=h.device)
+    if interpreting():  # torch: the interpreter's e4m3 cast is wrong (module docstring)
+        n_routed, n_all = int(off[E]), int(off[E + 1])
+        hs = h.sum(0)
+        aq.zero_()
+        fa.fill_(1.0)
+        for lo_r, hi_r, n in ((0, n_routed, I), (n_routed, n_all, Is)):
+            if hi_r > lo_r:
+                a = swiglu_oai_f32(hs[lo_r:hi_r, :n], hs[lo_r:hi_r, n:2 * n], alpha, limit)
+                q_hi, q_lo, e = fp8_split_rows_torch(a)
+                aq[0, lo_r:hi_r, :n], aq[1, lo_r:hi_r, :n] = q_hi, q_lo
+                fa[lo_r:hi_r] = torch.pow(2.0, -e.float()).reshape(-1)
+        return aq, fa
+    block = next_pow2(width)
+    _swiglu_split_kernel[(R,)](h, h.stride(0), h.stride(1), off, aq, aq.stride(0), aq.stride(1), fa, I, Is,
+                               float(alpha), float(limit), E=E, SPLIT=S, BLOCK=block,
+                               num_warps=8 if block >= 4096 else 4)
+    return aq, fa
+
+
+# --------------------------------------------------------------------------------------------
+# the GEMMs
+
+
+@triton.jit
+def _mma_rows(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N: tl.constexpr,
+              BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_T] = sum_{k in [k_beg, k_end)} W[n, k] * scale[n, k // 32] *
+    (B[0] + B[1])[k, t]``: ``w_base [BLOCK_N, 32]`` points at each weight row's first 32
+    columns, ``s_base [BLOCK_N, 1]`` at each row's int32 scale words, ``b_base [32, BLOCK_T]`` at
+    each B column's first 32 entries of part 0 (part 1 ``stride_b_part`` further); ``b_ok
+    [1, BLOCK_T]`` masks the B columns (padded pairs read zeros). ``k_beg`` a multiple of
+    ``MMA_BLOCK_K``.
+
+    Every 32 columns: two e4m3 dots into a fresh product (its block's factor differs per weight
+    row), scaled and added in fp32. The next step's scale words are loaded one step ahead: a
+    load that feeds no dot operand is not pipelined by Triton, and would wait a full memory
+    latency every step.
+    """
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    words = tl.load(s_base + k_beg // 128, mask=k_beg < k_end, other=0)
+    for k0 in range(k_beg, k_end, 128):
+        cur = words
+        words = tl.load(s_base + (k0 + 128) // 128, mask=k0 + 128 < k_end, other=0)
+        for b in tl.static_range(4):
+            w = tl.load(w_base + k0 + 32 * b)
+            bh = tl.load(b_base + k0 + 32 * b, mask=b_ok, other=0.0)
+            bl = tl.load(b_base + stride_b_part + k0 + 32 * b, mask=b_ok, other=0.0)
+            if DOT_F32:
+                wf = w.to(tl.float32)
+                p = tl.dot(wf, bh.to(tl.float32), tl.dot(wf, bl.to(tl.float32), input_precision="ieee"),
+                           input_precision="ieee")
+            else:
+                p = tl.dot(w, bh, tl.dot(w, bl))
+            acc += p * scale_factor((cur >> (8 * b)) & 0xFF, False)
+    return acc
+
+
+@triton.jit
+def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn, s_ptr, stride_sn, sorted_ptr,
+                   h_ptr, stride_h_split, stride_h, start, end, N, TK, H, k_per_split,
+                   K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+    """N-tile ``j % n_tiles`` of one expert's ``N`` gate/up rows over the pair tiles of
+    ``[start, end)`` that fall to this program (an expert with fewer N-tiles than the grid
+    hands its spare programs pair tiles, as in ``moe._gate_up_tiles``)."""
+    j = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    groups = tl.num_programs(1) // n_tiles
+    grp = j // n_tiles
+    m_lo = tl.where(grp < groups, start + grp * BLOCK_T, end)
+    offs_n = (j % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ld = offs_n % N  # a partial last tile re-reads valid rows (discarded) instead of masking
+    kk = tl.arange(0, 32)
+    k_beg = tl.multiple_of(tl.program_id(2) * k_per_split, 128)
+    k_end = tl.minimum(H, k_beg + k_per_split)
+    w_base = w_ptr + n_ld[:, None].to(tl.int64) * stride_wn + kk[None, :]
+    s_base = s_ptr + n_ld[:, None].to(tl.int64) * stride_sn
+    h_base = h_ptr + tl.program_id(2) * stride_h_split
+    for m0 in range(m_lo, end, groups * BLOCK_T):
+        rows = m0 + tl.arange(0, BLOCK_T)
+        r_ok = rows < end
+        pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
+        tok = tl.where(pair < TK, pair // K, pair - TK)
+        b_base = xq_ptr + tok[None, :].to(tl.int64) * stride_xq_t + kk[:, None]
+        acc = _mma_rows(w_base, s_base, b_base, stride_xq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
+                        DOT_F32)
+        acc = acc * tl.load(fx_ptr + tok, mask=r_ok, other=0.0)[None, :]
+        tl.store(h_base + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None], acc,
+                 mask=r_ok[None, :] & (offs_n < N)[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
+                    w13_ptr, stride_w13_e, stride_w13_n, s13_ptr, stride_s13_e, stride_s13_n,
+                    sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
+                    sorted_ptr, off_ptr, h_ptr, stride_h_split, stride_h, T, H, I, IS, k_per_split,
+                    K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+    """``h[s, pos, n]`` for expert ``program_id(0)`` (``E``: the shared expert)."""
+    e = tl.program_id(0)
+    start = tl.load(off_ptr + e)
+    end = tl.load(off_ptr + e + 1)
+    if e < E:
+        _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w13_ptr + e.to(tl.int64) * stride_w13_e,
+                       stride_w13_n, s13_ptr + e.to(tl.int64) * stride_s13_e, stride_s13_n, sorted_ptr, h_ptr,
+                       stride_h_split, stride_h, start, end, 2 * I, T * K, H, k_per_split, K, BLOCK_N, BLOCK_T,
+                       DOT_F32)
+    else:
+        _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
+                       sorted_ptr, h_ptr, stride_h_split, stride_h, start, end, 2 * IS, T * K, H, k_per_split, K,
+                       BLOCK_N, BLOCK_T, DOT_F32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
+                 w2_ptr, stride_w2_e, stride_w2_h, s2_ptr, stride_s2_e, stride_s2_h,
+                 sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h,
+                 topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y_split, stride_y, T, H, I, IS, k_per_split,
+                 K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """``y[s, pos, h] = w_pair * fa[pos] * sum_k W2_e[h, k] aq[pos, k]`` over K-range ``s`` of
+    the expert's I (Is for the shared expert, whose pairs weigh 1), one H-tile."""
+    e = tl.program_id(0)
+    start = tl.load(off_ptr + e)
+    end = tl.load(off_ptr + e + 1)
+    if e < E:
+        KD = I
+        w_ptr = w2_ptr + e.to(tl.int64) * stride_w2_e
+        stride_wh = stride_w2_h
+        s_ptr = s2_ptr + e.to(tl.int64) * stride_s2_e
+        stride_sh = stride_s2_h
+    else:
+        KD = IS
+        w_ptr = sd_ptr
+        stride_wh = stride_sd_h
+        s_ptr = ssd_ptr
+        stride_sh = stride_ssd_h
+    offs_h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ld = offs_h % H
+    kk = tl.arange(0, 32)
+    k_beg = tl.multiple_of(tl.program_id(2) * k_per_split, 128)
+    k_end = tl.minimum(KD, k_beg + k_per_split)  # may be empty (the shared expert's short K): zeros
+    w_base = w_ptr + h_ld[:, None].to(tl.int64) * stride_wh + kk[None, :]
+    s_base = s_ptr + h_ld[:, None].to(tl.int64) * stride_sh
+    TK = T * K
+    for m0 in range(start, end, BLOCK_T):
+        rows = m0 + tl.arange(0, BLOCK_T)
+        r_ok = rows < end
+        pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
+        is_routed = pair < TK
+        wt = tl.where(is_routed, tl.load(topk_w_ptr + pair, mask=r_ok & is_routed, other=0.0), 1.0)
+        b_base = aq_ptr + rows.to(tl.int64)[None, :] * stride_aq + kk[:, None]
+        acc = _mma_rows(w_base, s_base, b_base, stride_aq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
+                        DOT_F32)
+        acc = acc * (wt * tl.load(fa_ptr + rows, mask=r_ok, other=0.0))[None, :]
+        tl.store(y_ptr + tl.program_id(2) * stride_y_split + rows.to(tl.int64)[None, :] * stride_y + offs_h[:, None],
+                 acc, mask=r_ok[None, :] & (offs_h < H)[:, None])
+
+
+def _k_per_split(k: int, split: int) -> int:
+    """Columns per split of a K of ``k``: whole K steps, every split but the last full."""
+    return triton.cdiv(triton.cdiv(k, MMA_BLOCK_K), split) * MMA_BLOCK_K
+
+
+def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
+                    scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
+                    sorted_pairs: Tensor, K: int, block_n: int, block_t: int, split: int, num_stages: int) -> Tensor:
+    """The per-pair expert outputs ``y [split, P + T, H]`` fp32 (weighted, splits unsummed) of the
+    sorted pairs ``(off, sorted_pairs)`` of ``moe_align``; ``moe.fused_moe`` combines them.
+    Shapes as ``moe.fused_moe``'s (checked there), fitting ``fits_fp8_mma``."""
+    T, H = x.shape
+    E, I = w13.shape[0], w13.shape[1] // 2
+    Is = shared_gate_up.shape[0] // 2
+    P = T * K
+    dev = x.device
+    dot_f32 = interpreting()
+    s13, s2, ssgu, ssd = (scale_words(s) for s in scales)
+    xq, fx = split_rows(x)
+    width = max(I, Is)
+    h = torch.empty(split, P + T, 2 * width, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(E + 1, triton.cdiv(2 * width, block_n), split)](
+        xq, xq.stride(0), xq.stride(1), fx,
+        w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
+        shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0),
+        sorted_pairs, off, h, h.stride(0), h.stride(1), T, H, I, Is, _k_per_split(H, split),
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, num_warps=4, num_stages=num_stages)
+    aq, fa = swiglu_split(h, off, E, I, Is, alpha, limit)
+    y = torch.empty(split, P + T, H, dtype=torch.float32, device=dev)
+    _down_kernel[(E + 1, triton.cdiv(H, block_n), split)](
+        aq, aq.stride(0), aq.stride(1), fa,
+        w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
+        shared_down, shared_down.stride(0), ssd, ssd.stride(0),
+        topk_w, sorted_pairs, off, y, y.stride(0), y.stride(1), T, H, I, Is, _k_per_split(width, split),
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, num_warps=4, num_stages=num_stages)
+    return y
+
+
+__all__ = ["MMA_BLOCK_K", "experts_fp8_mma", "fits_fp8_mma", "split_rows", "swiglu_split"]
