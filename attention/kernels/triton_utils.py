@@ -130,6 +130,21 @@ def fp8_split_rows(v):
     e = 8 - (((bits >> 23) & 0xFF) - 127) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.where(bits > 0, tl.minimum(tl.maximum(e, -126), 127), 0)  # an all-zero (padded) row: 2**0
     vs = vf * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
-    hi = vs.to(tl.float8e4nv)
-    lo = (vs - hi.to(tl.float32)).to(tl.float8e4nv)
-    return hi, lo, e
+    # hi's value in fp32 from the bits, not as ``hi.to(tl.float32)``: on the H200 (Triton 3.6)
+    # that read back 0 right after the e4m3 cast, so lo came out as the whole value (the
+    # GPU test of the split caught it); the cast of an e4m3-exact value is exact either way
+    hi_f = _e4m3_nearest(vs)
+    return hi_f.to(tl.float8e4nv), (vs - hi_f).to(tl.float8e4nv), e
+
+
+@triton.jit
+def _e4m3_nearest(v):
+    """The e4m3 value nearest fp32 ``v`` (``|v| <= 448``; ties to even), in fp32: normal e4m3
+    (``|v| >= 2**-6``) keeps 3 of fp32's 23 mantissa bits (a carry moves into the exponent);
+    below, e4m3's subnormals are the multiples of 2**-9, where an fp32 add and subtract of
+    1.5 * 2**14 rounds."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    normal = (((mag + 0x7FFFF + ((mag >> 20) & 1)) & 0x7FF00000) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    sub = (v + 24576.0) - 24576.0
+    return tl.where(mag >= 0x3C800000, normal, sub)
