@@ -146,5 +146,5 @@ def _e4m3_nearest(v):
     bits = v.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     normal = (((mag + 0x7FFFF + ((mag >> 20) & 1)) & 0x7FF00000) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
-    sub = (v + 24576.0) - 24576.0
-    return tl.where(mag >= 0x3C800000, normal, sub)
+    sub = ((v + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -0x80000000)  # -0.0 stays -0.0
+    return tl.where(mag >= 0x3C800000, normal, sub.to(tl.float32, bitcast=True))

@@ -290,9 +290,10 @@ def test_fp8_mma_kernels_compile_for_hopper():
     configs = moe._mma_candidates(1) + moe._mma_candidates(1054)
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
                      "DOT_F32": False}, ptrs, [], 4, c.mma_num_stages]
-             for c in configs for k in ("_gate_up_kernel", "_down_kernel")]
-    cases += [[M, "_split_rows_kernel", {"BLOCK": 8192}, ptrs, [], 8, 1],
-              [M, "_swiglu_split_kernel", {"E": REAL["E"], "SPLIT": 2, "BLOCK": 4096}, ptrs, ["alpha", "limit"], 8, 1]]
+             for c in configs for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
+    cases += [[M, "_moe_split_rows_kernel", {"BLOCK": 8192}, ptrs, [], 8, 1],
+              [M, "_moe_swiglu_split_kernel", {"E": REAL["E"], "SPLIT": 2, "BLOCK": 4096}, ptrs, ["alpha", "limit"],
+               8, 1]]
     reports = run_compile_reports(cases)
     gemms = reports[:-2]
     assert all(r["fp8_wgmma"] and r["cp_async"] for r in gemms), gemms
@@ -547,7 +548,7 @@ def test_fp8_split_rows_torch_rounding():
 
 
 @pytest.mark.cuda
-def test_cuda_split_rows_kernel_equals_torch():
+def test_cuda_moe_split_rows_kernel_equals_torch():
     """The Triton row split rounds exactly as ``common.fp8_split`` (the interpreter cannot show
     it: its e4m3 cast drops the mantissa carry), including rows of zeros and of tiny values."""
     from common.fp8_split import fp8_split_rows

@@ -14,14 +14,14 @@ bits); the split's factor is undone in the epilogue.
 Launches, after ``moe_align`` (same sorted pairs as the other paths):
 
 1. ``split_rows``: x ``[T, H]`` -> ``xq [2, T, H]`` e4m3 and ``fx [T]`` (``2**-e``).
-2. ``_gate_up_kernel``, grid ``(E + 1, max(2I, 2Is) / BLOCK_N, split)``: the pre-activations
+2. ``_moe_mma_gate_up_kernel``, grid ``(E + 1, max(2I, 2Is) / BLOCK_N, split)``: the pre-activations
    ``h[s, pos, n] = fx * sum_k W13[n, k] xq[tok(pos), k]`` over K-range ``s`` of H, fp32.
    Gate and up rows are separate N-tiles (twice the programs of a fused tile, so one expert at
    decode 1 still spreads over ~100 programs); the split over H adds programs where there are
    few pairs.
-3. ``_swiglu_split_kernel``, one program per sorted pair: sums the splits, SwiGLU-OAI in fp32,
+3. ``_moe_swiglu_split_kernel``, one program per sorted pair: sums the splits, SwiGLU-OAI in fp32,
    splits the activation row like x (``aq [2, P + T, I]``, ``fa``).
-4. ``_down_kernel``, grid ``(E + 1, H / BLOCK_N, split)``: ``y[s, pos, h] = w_pair * fa *
+4. ``_moe_mma_down_kernel``, grid ``(E + 1, H / BLOCK_N, split)``: ``y[s, pos, h] = w_pair * fa *
    sum_k W2[h, k] aq[pos, k]`` over K-range ``s`` of I (Is for the shared expert).
 5. ``moe``'s combine kernel sums the splits and the pairs in a fixed order.
 
@@ -62,7 +62,7 @@ def fits_fp8_mma(H: int, I: int, Is: int, scales: tuple[Tensor, ...]) -> bool:
 
 
 @triton.jit
-def _split_rows_kernel(v_ptr, stride_v, q_ptr, stride_q_part, stride_q, f_ptr, C, BLOCK: tl.constexpr):
+def _moe_split_rows_kernel(v_ptr, stride_v, q_ptr, stride_q_part, stride_q, f_ptr, C, BLOCK: tl.constexpr):
     """Row ``program_id(0)`` of ``v`` as ``q[0] + q[1] ~= v * 2**e`` (e4m3) and ``f = 2**-e``."""
     r = tl.program_id(0)
     c = tl.arange(0, BLOCK)
@@ -86,13 +86,13 @@ def split_rows(v: Tensor) -> tuple[Tensor, Tensor]:
     f = torch.empty(R, dtype=torch.float32, device=v.device)
     if R:
         block = next_pow2(C)
-        _split_rows_kernel[(R,)](v, v.stride(0), q, q.stride(0), q.stride(1), f, C, BLOCK=block,
+        _moe_split_rows_kernel[(R,)](v, v.stride(0), q, q.stride(0), q.stride(1), f, C, BLOCK=block,
                                  num_warps=8 if block >= 4096 else 4)
     return q, f
 
 
 @triton.jit
-def _swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, stride_aq_part, stride_aq, fa_ptr,
+def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                          I, IS, alpha, limit, E: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """Sorted pair ``r``: ``act = SwiGLU-OAI(sum_s h[s, r, :N], sum_s h[s, r, N:2N])`` (N = I for
     a routed pair, Is for a shared one), split like x into ``aq[:, r]`` and ``fa[r]``."""
@@ -138,7 +138,7 @@ def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, 
                 fa[lo_r:hi_r] = torch.pow(2.0, -e.float()).reshape(-1)
         return aq, fa
     block = next_pow2(width)
-    _swiglu_split_kernel[(R,)](h, h.stride(0), h.stride(1), off, aq, aq.stride(0), aq.stride(1), fa, I, Is,
+    _moe_swiglu_split_kernel[(R,)](h, h.stride(0), h.stride(1), off, aq, aq.stride(0), aq.stride(1), fa, I, Is,
                                float(alpha), float(limit), E=E, SPLIT=S, BLOCK=block,
                                num_warps=8 if block >= 4096 else 4)
     return aq, fa
@@ -216,7 +216,7 @@ def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
+def _moe_mma_gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
                     w13_ptr, stride_w13_e, stride_w13_n, s13_ptr, stride_s13_e, stride_s13_n,
                     sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
                     sorted_ptr, off_ptr, h_ptr, stride_h_split, stride_h, T, H, I, IS, k_per_split,
@@ -238,7 +238,7 @@ def _gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
+def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                  w2_ptr, stride_w2_e, stride_w2_h, s2_ptr, stride_s2_e, stride_s2_h,
                  sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h,
                  topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y_split, stride_y, T, H, I, IS, k_per_split,
@@ -304,7 +304,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
     xq, fx = split_rows(x)
     width = max(I, Is)
     h = torch.empty(split, P + T, 2 * width, dtype=torch.float32, device=dev)
-    _gate_up_kernel[(E + 1, triton.cdiv(2 * width, block_n), split)](
+    _moe_mma_gate_up_kernel[(E + 1, triton.cdiv(2 * width, block_n), split)](
         xq, xq.stride(0), xq.stride(1), fx,
         w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0),
@@ -312,7 +312,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, num_warps=4, num_stages=num_stages)
     aq, fa = swiglu_split(h, off, E, I, Is, alpha, limit)
     y = torch.empty(split, P + T, H, dtype=torch.float32, device=dev)
-    _down_kernel[(E + 1, triton.cdiv(H, block_n), split)](
+    _moe_mma_down_kernel[(E + 1, triton.cdiv(H, block_n), split)](
         aq, aq.stride(0), aq.stride(1), fa,
         w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0),
