@@ -140,7 +140,8 @@ def split_plan(k: int, cfg: LinearConfig) -> tuple[int, int, bool]:
     """``(splits, columns per split, even)`` of a K of ``k`` under ``cfg``: at most
     ``cfg.split_k`` splits of whole K steps, their count a divisor of the steps so that every
     split is full and the K loop needs no masks (``even``) whenever ``block_k`` divides K (the
-    masked loop reads its scales per element and is for other shapes only)."""
+    masked loop is for other shapes only: a split that did not divide K sent the dense MLP's
+    down projection, K = 1536, there at decode)."""
     steps = triton.cdiv(k, cfg.block_k)
     split = max(d for d in range(1, min(cfg.split_k, steps) + 1) if steps % d == 0)
     k_per_split = steps // split * cfg.block_k

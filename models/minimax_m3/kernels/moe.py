@@ -35,6 +35,9 @@ Graph-safe: grids depend on T and the weight shapes only; per-expert work (how m
 whether any) is read from the device inside the kernels, and the scratch is allocated from
 shapes (allocation under capture uses the graph's pool).
 
+MXFP8 weights run these kernels dequantising in registers, or (``MoEConfig.fp8_mma``) the
+fp8 tensor-core GEMMs of ``moe_fp8_mma`` between the same align and combine launches.
+
 ``fused_moe_torch`` is the same function in plain torch: the reference the kernels are tested
 against, and the CPU path.
 """
@@ -599,7 +602,8 @@ def _fit_stages(num_stages: int, stage_bytes: int) -> int:
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
               shared_down: Tensor, alpha: float, limit: float, out: Tensor,
               config: MoEConfig | None = None, scales: MoEScales | None = None) -> Tensor:
-    """Routed experts of this rank + the shared expert, five launches, graph-capturable.
+    """Routed experts of this rank + the shared expert, five launches (seven on the fp8
+    tensor-core path), graph-capturable.
 
     Args:
         x: ``[T, H]`` (bf16 on GPU; fp32 allowed, then the dots run in fp32 "ieee").
