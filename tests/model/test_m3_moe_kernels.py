@@ -289,7 +289,7 @@ def test_fp8_mma_kernels_compile_for_hopper():
             "s2_ptr": "i32", "ssd_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32", "h_ptr": "fp32",
             "y_ptr": "fp32", "topk_w_ptr": "fp32", "v_ptr": "bf16", "q_ptr": "fp8e4nv", "f_ptr": "fp32"}
     M = "models.minimax_m3.kernels.moe_fp8_mma"
-    configs = moe._mma_candidates(1) + moe._mma_candidates(1054)
+    configs = moe._mma_candidates(1) + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64, mma_num_stages=3)]
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
                      "DOT_F32": False}, ptrs, [], 4, c.mma_num_stages]
              for c in configs for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
@@ -301,7 +301,7 @@ def test_fp8_mma_kernels_compile_for_hopper():
     assert all(r["fp8_wgmma"] and r["cp_async"] for r in gemms), gemms
     assert all(r["k_loop_loads"] == (2 if i % 2 == 0 else 1) for i, r in enumerate(gemms)), gemms
     decode = gemms[: 2 * len(moe._mma_candidates(1))]
-    assert all(65536 // (r["regs"] * 128) >= 3 and r["shared"] <= 227 * 1024 // 3 for r in decode[:8]), decode
+    assert all(65536 // (r["regs"] * 128) >= 3 and r["shared"] <= 227 * 1024 // 3 for r in decode), decode
 
 
 # ---- GPU: real shapes ------------------------------------------------------------------------
@@ -520,7 +520,10 @@ def test_fp8_mma_candidates_track_the_dequantized_weights(T):
     head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
     want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
     configs = [c for c in moe.moe_config_candidates(T, fp8_mma=True) if c.fp8_mma]
-    assert configs and configs == moe._mma_candidates(T)
+    assert configs == moe._mma_candidates(T) and bool(configs) == (T <= 64)  # offered at decode sizes only
+    if T > 64:  # the path itself takes any T: several pair tiles per expert, wider tiles
+        configs = [moe.MoEConfig(fp8_mma=True, mma_block_n=n, mma_block_t=t, mma_split=sp)
+                   for n, t, sp in ((64, 16, 1), (128, 64, 2), (64, 32, 3))]
     for cfg in configs:
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
         assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 3e-3), cfg
