@@ -9,7 +9,10 @@ into an fp32 accumulator. The rows of the step (the few pairs routed to an exper
 operand (the product is ``W @ rows^T``, "swap AB": wgmma's M of 64 goes to the weight rows, its
 N of 8-16 to the pairs, so a decode step pads nothing to 64). Each row is split into two e4m3
 parts ``hi + lo`` scaled by a power of two (``fp8_split_rows``: about a bf16's 8 significant
-bits); the split's factor is undone in the epilogue.
+bits); the split's factor is undone in the epilogue. Measured on the H200 (BENCHMARKS.md):
+faster at decode 1 (one expert, K split over ~400 programs: 55 vs 77 us), as fast at 32-64
+pairs (2.4-2.8 TB/s with a third of the instructions and twice the programs per SM: that limit
+is not in the SM's instruction stream), slower at prefill; the tuner picks per step size.
 
 Launches, after ``moe_align`` (same sorted pairs as the other paths):
 
