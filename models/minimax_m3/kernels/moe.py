@@ -58,6 +58,7 @@ from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
 from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_words
+from .moe_experts import down_weights
 from .moe_fp8_mma import MMA_BLOCK_K, experts_fp8_mma, fits_fp8_mma
 
 Tensor = torch.Tensor
@@ -442,18 +443,9 @@ def _moe_down_kernel(
     start = tl.load(off_ptr + e)
     end = tl.load(off_ptr + e + 1)
     TK = T * K
-    if e < E:
-        KD = I
-        w_ptr = w2_ptr + e.to(tl.int64) * stride_w2_e
-        stride_wh = stride_w2_h
-        s_ptr = s2_ptr + e.to(tl.int64) * stride_s2_e
-        stride_sh = stride_s2_h
-    else:
-        KD = IS
-        w_ptr = sd_ptr
-        stride_wh = stride_sd_h
-        s_ptr = ssd_ptr
-        stride_sh = stride_ssd_h
+    KD, w_ptr, stride_wh, s_ptr, stride_sh = down_weights(e, E, I, IS, w2_ptr, stride_w2_e, stride_w2_h, s2_ptr,
+                                                         stride_s2_e, stride_s2_h, sd_ptr, stride_sd_h, ssd_ptr,
+                                                         stride_ssd_h)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     h_ld = offs_h % H

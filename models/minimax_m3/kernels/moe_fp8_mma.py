@@ -47,6 +47,7 @@ from common.fp8_split import fp8_split_rows as fp8_split_rows_torch
 from models.minimax_m3.layers import swiglu_oai_f32
 
 from .fp8_tiles import scale_factor, scale_words
+from .moe_experts import down_weights
 
 Tensor = torch.Tensor
 
@@ -252,18 +253,9 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
     e = tl.program_id(0)
     start = tl.load(off_ptr + e)
     end = tl.load(off_ptr + e + 1)
-    if e < E:
-        KD = I
-        w_ptr = w2_ptr + e.to(tl.int64) * stride_w2_e
-        stride_wh = stride_w2_h
-        s_ptr = s2_ptr + e.to(tl.int64) * stride_s2_e
-        stride_sh = stride_s2_h
-    else:
-        KD = IS
-        w_ptr = sd_ptr
-        stride_wh = stride_sd_h
-        s_ptr = ssd_ptr
-        stride_sh = stride_ssd_h
+    KD, w_ptr, stride_wh, s_ptr, stride_sh = down_weights(e, E, I, IS, w2_ptr, stride_w2_e, stride_w2_h, s2_ptr,
+                                                         stride_s2_e, stride_s2_h, sd_ptr, stride_sd_h, ssd_ptr,
+                                                         stride_ssd_h)
     offs_h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ld = offs_h % H
     kk = tl.arange(0, 32)
