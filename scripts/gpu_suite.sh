@@ -16,7 +16,9 @@
 # GPU-busy; with a checkout of an earlier commit in .baseline/, the same benchmark on it first, side
 # by side), audit (60-layer serving with audits off, 1 in 10 and 1 in 1000), routing (60-layer steps
 # with the concentrated random router, the calibrated one and uniform routing), fp8linear (the
-# MXFP8 projections: bf16 vs dequantise + F.linear vs the Triton fp8 kernels), mxfp8 (60-layer steps,
+# MXFP8 projections: bf16 vs dequantise + F.linear vs the Triton fp8 kernels), fp8stream (how fast a
+# plain kernel streams fp8 weights, row-major vs tiled), moeconfigs (given MoE tile sets, time per
+# kernel), mxfp8 (60-layer steps,
 # bf16 then MXFP8), mxserve (serving, bf16 then MXFP8, same requests), mxacc (MXFP8 vs its
 # dequantised bf16 twin: logits and 200-step greedy agreement), longserve (the long-context serving
 # preset), ttft (one 128K prompt alone), fp8decode (decode 32 at 128K, bf16 vs fp8 KV), or a pytest path.
@@ -98,6 +100,9 @@ for part in "${parts[@]}"; do
                   flag="--routing $r"; [ "$r" = concentrated ] && flag="--concentrated"
                   $T python3 benchmarks/bench_steps.py $flag --label "$r" --decode ${ROUTING_DECODE:-1,8,32,64} --json "$OUT/bench_steps_routing_$r.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 done ;;
+    fp8stream)  $T python3 benchmarks/bench_fp8_stream.py --json "$OUT/bench_fp8_stream.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    moeconfigs) # MOE_CONFIGS_T tokens, MOE_CONFIGS the ';'-joined configs (benchmarks/bench_moe_configs.py)
+                $T python3 benchmarks/bench_moe_configs.py --tokens ${MOE_CONFIGS_T:-1054} --configs "${MOE_CONFIGS:-default}" --kernels --json "$OUT/bench_moe_configs.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     fp8linear)  $T python3 benchmarks/bench_mxfp8_linear.py --json "$OUT/bench_mxfp8_linear.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     mxfp8)      # 60-layer steps, bf16 then MXFP8 (the same preset quantized), uniform routing by default
                 rc=0

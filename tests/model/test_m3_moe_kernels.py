@@ -239,14 +239,13 @@ def moe_compile_cases(cfg, even=True, fp8=False, f16=False, words=True):
           "BLOCK_K": cfg.gu_block_k, "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
     dn = {"K": K, "E": E, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h, "BLOCK_K": cfg.down_block_k,
           "EVEN_K": even, "DOT_F32": False, "W_FP8": fp8}
-    # words as fused_moe launches them: for K steps of >= 128 columns
-    gu_words, dn_words = words and fp8 and cfg.gu_block_k >= 128, words and fp8 and cfg.down_block_k >= 128
-    gu, dn = dict(gu, W_F16=f16, S_WORDS=gu_words), dict(dn, W_F16=f16, S_WORDS=dn_words)  # f16: fp8_f16 math
+    words = words and fp8
+    gu, dn = dict(gu, W_F16=f16, S_WORDS=words), dict(dn, W_F16=f16, S_WORDS=words)  # f16: fp8_f16 math
     ptrs = dict(FP8_PTRS, x_ptr="fp16", act_ptr="fp16") if f16 else FP8_PTRS if fp8 else MOE_PTRS
-    gu_ptrs = dict(ptrs, s13_ptr="i32", ssgu_ptr="i32") if gu_words else ptrs
-    dn_ptrs = dict(ptrs, s2_ptr="i32", ssd_ptr="i32") if dn_words else ptrs
-    return [[MOE, "_moe_gate_up_kernel", gu, gu_ptrs, ["alpha", "limit"], cfg.gu_num_warps, cfg.gu_num_stages],
-            [MOE, "_moe_down_kernel", dn, dn_ptrs, [], cfg.down_num_warps, cfg.down_num_stages]]
+    if words:
+        ptrs = dict(ptrs, **{name: "i32" for name in ("s13_ptr", "ssgu_ptr", "s2_ptr", "ssd_ptr")})
+    return [[MOE, "_moe_gate_up_kernel", gu, ptrs, ["alpha", "limit"], cfg.gu_num_warps, cfg.gu_num_stages],
+            [MOE, "_moe_down_kernel", dn, ptrs, [], cfg.down_num_warps, cfg.down_num_stages]]
 
 
 def test_kernels_compile_for_hopper():
@@ -267,10 +266,9 @@ def test_kernels_compile_for_hopper():
     bytes_scales = reports[-6:-4]
     assert all(r["wgmma"] for r in (fp8[2], fp8[3], fp8[6], fp8[7]))  # prefill tiles on fp8 keep the tensor cores
     assert all(r["cp_async"] for r in fp8)  # every fp8 step streams through async copies
-    # ... the decode tiles' scales too (int32 words): as bytes they were synchronous loads in the K
-    # loop, a memory latency per step (byte scales, for the prefill tiles and the layouts that
-    # cannot be words, still compile)
-    assert all(fp8[i]["k_loop_loads"] == 0 for i in (0, 1, 4, 5)), fp8
+    # ... its scales too (int32 words): as bytes they were synchronous loads in the K loop, a
+    # memory latency per step (byte scales, the layouts that cannot be words, still compile)
+    assert all(r["k_loop_loads"] == 0 for r in fp8), fp8
     assert bytes_scales[0]["k_loop_loads"] > 0  # what the check tells apart
     for i, cfg in enumerate(configs):
         gu, dn = reports[4 + 2 * i], reports[5 + 2 * i]

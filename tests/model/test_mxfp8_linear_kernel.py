@@ -109,6 +109,8 @@ def test_triton_dequantize_is_exact_and_feeds_f_linear():
     assert torch.equal(w, dequantize_mxfp8(q, s, torch.float32))
     torch.testing.assert_close(dequantized_linear(x, q, s), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(dequantize_mxfp8_triton(q, s, torch.bfloat16), dequantize_mxfp8(q, s, torch.bfloat16))
+    _, q2, s2, _ = problem(3, 37, 320, torch.float32, seed=5)  # partial tiles in both dimensions
+    assert torch.equal(dequantize_mxfp8_triton(q2, s2, torch.float32), dequantize_mxfp8(q2, s2, torch.float32))
     with pytest.raises(ValueError, match=r"scale_inv must be contiguous uint8 \[N=48, K/32=4\]"):
         dequantize_mxfp8_triton(q, s[:, :2], torch.float32)
 

@@ -13,7 +13,8 @@ casts (no atomics: a graph replay equals an eager run bit for bit).
 
 At prefill sizes the weight tile is dequantised once per M-tile, which costs more than the bytes
 saved; ``dequantized_linear`` is the other candidate there: one elementwise kernel writes the
-bf16 weight (fp8 + scales in, bf16 out), then ``F.linear`` (cuBLAS).
+bf16 weight (fp8 + scales in, bf16 out), then ``F.linear`` (cuBLAS). At T=1054 on the H200 that
+takes qkv 36.6 us and o_proj 32.9 us against bf16's 26.3 and 22.0 (the fp8 kernel: 89.7, 46.7).
 """
 
 from __future__ import annotations
@@ -194,13 +195,21 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, out_ptr, numel, K, BLOCK: tl.constexpr):
-    """out[i] = dequant(w[i], s[i // K, (i % K) // 32]) over the flat ``[N, K]`` weight."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < numel
-    q = tl.load(w_ptr + i, mask=ok, other=0.0)
-    sc = tl.load(s_ptr + (i // K) * (K // 32) + (i % K) // 32, mask=ok, other=127)
-    tl.store(out_ptr + i, dequant_fp8(q, sc).to(out_ptr.dtype.element_ty), mask=ok)
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``out[r, c] = dequant(w[r, c], s[r, c // 32])`` over a ``[BLOCK_R, BLOCK_C]`` tile of the
+    ``[N, K]`` weight. Two-dimensional so that no element divides a flat int64 index by K (the
+    flat form spent ~20 us on a 9 MB weight, H200), and a row's scale bytes are one small load
+    per 32 columns, broadcast."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (r < N)[:, None] & (c < K)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    q = tl.load(w_ptr + r64 * K + c[None, :], mask=ok, other=0.0)
+    nb: tl.constexpr = BLOCK_C // 32
+    blk = tl.program_id(1) * nb + tl.arange(0, nb)
+    sc = tl.load(s_ptr + r64 * (K // 32) + blk[None, :], mask=(r < N)[:, None] & (blk < K // 32)[None, :], other=127)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_R, nb, 32)), (BLOCK_R, BLOCK_C))
+    tl.store(out_ptr + r64 * K + c[None, :], dequant_fp8(q, sc).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def dequantize_mxfp8_triton(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
@@ -215,8 +224,10 @@ def dequantize_mxfp8_triton(weight: Tensor, scale_inv: Tensor, dtype: torch.dtyp
         raise ValueError(f"scale_inv must be contiguous uint8 [N={n}, K/32={k // MX_BLOCK}], got {scale_inv.dtype} "
                          f"{tuple(scale_inv.shape)}")
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    block = 4096
-    _dequantize_kernel[(triton.cdiv(n * k, block),)](weight, scale_inv, out, n * k, k, BLOCK=block, num_warps=8)
+    block_r, block_c = 16, 256
+    _dequantize_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](weight, scale_inv, out, n, k,
+                                                                            BLOCK_R=block_r, BLOCK_C=block_c,
+                                                                            num_warps=4)
     return out
 
 

@@ -655,18 +655,15 @@ def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_
                          f"{MX_BLOCK} columns), got {bk} and {cfg.down_block_k}")
     esz, wsz = x.element_size(), w13.element_size()  # activation and weight bytes (fp8: 1)
     # Without scales the scale pointers are never read (W_FP8=False): the weights stand in.
-    # The scales go as int32 words (pipelined loads: fp8_tiles) where a kernel's K step spans a
-    # word or more (>= 128 columns: the decode tiles) and its two scale tensors allow it. With
-    # 64-column steps (the prefill tiles) each word would be loaded twice; the H200 measured
-    # those kernels 8% slower on words (T=1054: 726 vs 671 us), their MMA work hides the byte loads.
+    # The scales go as int32 words where all four allow it (pipelined loads: fp8_tiles), at
+    # every tile size: side by side on the H200 at T=1054 the 64-column prefill tiles took
+    # 727-729 us on words and 766-797 us on bytes (an earlier reading the other way compared
+    # two different runs).
     s13, s2, ssgu, ssd = scales if scales is not None else (w13, w2, shared_gate_up, shared_down)
-    gu_words = down_words = False
-    if scales is not None:
-        w13w, w2w, sguw, sdw = (scale_words(sc) for sc in scales)
-        gu_words = bk >= 128 and w13w is not None and sguw is not None
-        down_words = cfg.down_block_k >= 128 and w2w is not None and sdw is not None
-        s13, ssgu = (w13w, sguw) if gu_words else (s13, ssgu)
-        s2, ssd = (w2w, sdw) if down_words else (s2, ssd)
+    words = [scale_words(sc) for sc in scales] if scales is not None else [None]
+    s_words = all(w is not None for w in words)
+    if s_words:
+        s13, s2, ssgu, ssd = words
     # f16 math: x converted once here (in the kernel, each warp would convert the whole
     # M-tile, its dot operand, on every K step: as many conversions as the weights take)
     x_in = x.to(torch.float16) if w_f16 and not dot_f32 else x
@@ -679,7 +676,7 @@ def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_
         sorted_pairs, off, act, act.stride(0),
         T, H, I, Is, float(alpha), float(limit),
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_N_SHARED=bns, BLOCK_K=bk, EVEN_K=H % bk == 0,
-        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=gu_words,
+        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=s_words,
         num_warps=cfg.gu_num_warps,
         num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m * esz + 2 * max(bn, bns) * wsz) * bk),
     )
@@ -693,7 +690,7 @@ def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_
         topk_w, sorted_pairs, off, y, y.stride(0),
         T, H, I, Is,
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_H=bh, BLOCK_K=bkd, EVEN_K=(I % bkd == 0 and Is % bkd == 0),
-        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=down_words, num_warps=cfg.down_num_warps,
+        DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=s_words, num_warps=cfg.down_num_warps,
         num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m * esz + bh * wsz) * bkd),
     )
     return y

@@ -11,8 +11,13 @@ N of 8-16 to the pairs, so a decode step pads nothing to 64). Each row is split 
 parts ``hi + lo`` scaled by a power of two (``fp8_split_rows``: about a bf16's 8 significant
 bits); the split's factor is undone in the epilogue. Measured on the H200 (BENCHMARKS.md):
 faster at decode 1 (one expert, K split over ~400 programs: 55 vs 77 us), as fast at 32-64
-pairs (2.4-2.8 TB/s with a third of the instructions and twice the programs per SM: that limit
-is not in the SM's instruction stream), slower at prefill; the tuner picks per step size.
+pairs (2.4-2.8 TB/s with a third of the instructions and twice the programs per SM), slower at
+prefill; the tuner picks per step size. What the decode limit is not (H200, BENCHMARKS.md
+"Third follow-up round"): the weight layout (a plain fp8 streaming kernel reads these row-major
+128-byte row segments at 3.9 TB/s, a tiled copy at 4.0) and the wait between the hi and lo dots
+(one K = 64 dot with the parts stacked, the weight block read twice, was 14-35% slower, as were
+128-row tiles over two warpgroups). Left: one fresh product per 32 columns, waited for before
+its scaling, in each program's serial chain.
 
 Launches, after ``moe_align`` (same sorted pairs as the other paths):
 
