@@ -118,6 +118,25 @@ def router_routing(T: int, d: Dims, gen: torch.Generator, device: str) -> tuple[
             return ids, (w / w.sum(-1, keepdim=True) * 2.0).float()
 
 
+def step_inputs(T: int, d: Dims, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """One step's MoE inputs, the same for a given T in every run: ``x [T, H]``, the router's
+    global ids and weights ``[T, K]``, this rank's local ids (``-1`` elsewhere, int32) and
+    weights, and the number of distinct local experts routed to; prints the expert spread."""
+    from models.minimax_m3.routing import RoutingSpread
+
+    gen = torch.Generator(device=device).manual_seed(1000 + T)
+    x = torch.randn(T, d.hidden, generator=gen, device=device).to(dtype)
+    gids, gw = router_routing(T, d, gen, device)
+    local = gids < d.num_local
+    ids = torch.where(local, gids, -1).to(torch.int32)
+    w = torch.where(local, gw, 0.0).contiguous()
+    n_exp = int(torch.unique(ids[ids >= 0]).numel())
+    spread = RoutingSpread("random-score", T, d.top_k, d.num_global, d.num_local, (n_exp,),
+                           (int((ids >= 0).sum()),))
+    print(f"T={T}: {spread.describe()}", flush=True)
+    return x, gids, gw, ids, w, n_exp
+
+
 def reference_fp32(x: torch.Tensor, local_ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    sgu: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
     """fp32 everywhere (no intermediate rounding), only the routed rows of each expert."""
@@ -172,19 +191,9 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
                  compiled: Callable | None) -> list[Row]:
     from models.minimax_m3.kernels.moe import fused_moe, moe_config_candidates, scales_fit_f16
     from models.minimax_m3.kernels.moe_fp8_mma import fits_fp8_mma
-    from models.minimax_m3.routing import RoutingSpread
 
-    gen = torch.Generator(device=device).manual_seed(1000 + T)
     dtype = wts.routed[0][0].dtype
-    x = torch.randn(T, d.hidden, generator=gen, device=device).to(dtype)
-    gids, gw = router_routing(T, d, gen, device)
-    local = gids < d.num_local
-    ids = torch.where(local, gids, -1).to(torch.int32)
-    w = torch.where(local, gw, 0.0).contiguous()
-    n_exp = int(torch.unique(ids[ids >= 0]).numel())
-    spread = RoutingSpread("random-score", T, d.top_k, d.num_global, d.num_local, (n_exp,),
-                           (int((ids >= 0).sum()),))
-    print(f"T={T}: {spread.describe()}", flush=True)
+    x, gids, gw, ids, w, n_exp = step_inputs(T, d, device, dtype)
     H, inter, Is = d.hidden, d.inter, d.shared_inter
     nbytes = float((n_exp * 3 * inter * H + 3 * Is * H) * 2 + 2 * T * H * 2 + T * d.top_k * 8)
     sets = wts.call_sets(args.calls)

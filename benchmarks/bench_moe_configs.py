@@ -1,8 +1,8 @@
 """Time given ``MoEConfig`` s of the fused MoE on MXFP8 weights at one step size, with the time
 per kernel: for tile sets the tuner is not offered (``bench_m3_moe.py`` times the candidates).
 
-Same weights, routing and timing as ``bench_m3_moe.py`` (rank-of-8 shapes, 8 calls per graph
-rotating over 2 routed weight sets). Each config is ``field=value`` pairs joined by commas,
+Same weights, routing (its expert spread printed) and timing as ``bench_m3_moe.py`` (rank-of-8
+shapes, 8 calls per graph rotating over 2 routed weight sets). Each config is ``field=value`` pairs joined by commas,
 configs joined by ``;`` (``default``: ``default_moe_config(T)``).
 
 Usage (GPU): ``python benchmarks/bench_moe_configs.py --tokens 1054 --configs
@@ -17,7 +17,7 @@ import json
 import sys
 
 import torch
-from bench_m3_moe import ALPHA, LIMIT, Dims, Weights, reference_fp32, rel_err, router_routing
+from bench_m3_moe import ALPHA, LIMIT, Dims, Weights, reference_fp32, rel_err, step_inputs
 from timing import graph_replay_us
 
 
@@ -51,12 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     wts = Weights(d, 2, calls_n, "cuda", torch.bfloat16)
     wts.quantize(calls_n)
-    gen = torch.Generator(device="cuda").manual_seed(1000 + T)
-    x = torch.randn(T, d.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    gids, gw = router_routing(T, d, gen, "cuda")
-    local = gids < d.num_local
-    ids = torch.where(local, gids, -1).to(torch.int32)
-    w = torch.where(local, gw, 0.0).contiguous()
+    x, _, _, ids, w, _ = step_inputs(T, d, "cuda", torch.bfloat16)  # prints the expert spread
     ref = reference_fp32(x, ids, w, *wts.fp8[0][2])
     rows = []
     for spec in args.configs.split(";"):

@@ -536,6 +536,14 @@ def test_fp8_mma_refuses_shapes_it_cannot_tile():
                       scales=scales)
 
 
+def test_fp8_refuses_k_steps_below_a_scale_block():
+    pb = Problem(3, E=2, seed=3, dtype=torch.float32, **FP8_SMALL)
+    w8, scales, _ = quantized(pb)
+    with pytest.raises(ValueError, match="needs gu_block_k and down_block_k >= 32"):
+        moe.fused_moe(pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT, pb.poisoned_out(),
+                      config=moe.MoEConfig(gu_block_k=16), scales=scales)
+
+
 def test_fp8_split_rows_torch_rounding():
     """``common.fp8_split``: the largest entry of a row scaled into [224, 448], hi + lo within
     2**-8 of it, all-zero rows kept at 2**0."""

@@ -30,7 +30,7 @@ from attention.kernels.triton_utils import check_device, check_tile_config, inte
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8
 
-from .fp8_tiles import block_scale_factors, dequant_fp8, scale_words
+from .fp8_tiles import block_scale_factors, scale_words
 
 Tensor = torch.Tensor
 
@@ -196,20 +196,19 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
 
 @triton.jit
 def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``out[r, c] = dequant(w[r, c], s[r, c // 32])`` over a ``[BLOCK_R, BLOCK_C]`` tile of the
-    ``[N, K]`` weight. Two-dimensional so that no element divides a flat int64 index by K (the
-    flat form spent ~20 us on a 9 MB weight, H200), and a row's scale bytes are one small load
-    per 32 columns, broadcast."""
+    """``out[r, c] = dequant(w[r, c], s[r, c // 32])`` over ``BLOCK_R`` rows x ``BLOCK_C`` columns
+    of the ``[N, K]`` weight, held K first (``[BLOCK_C, BLOCK_R]``) as ``block_scale_factors``
+    gives a tile's factors: one scale load per 32 columns, broadcast. Two-dimensional so that no
+    element divides a flat int64 index by K (the flat form spent ~20 us on a 9 MB weight, H200)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = (r < N)[:, None] & (c < K)[None, :]
-    r64 = r.to(tl.int64)[:, None]
-    q = tl.load(w_ptr + r64 * K + c[None, :], mask=ok, other=0.0)
-    nb: tl.constexpr = BLOCK_C // 32
-    blk = tl.program_id(1) * nb + tl.arange(0, nb)
-    sc = tl.load(s_ptr + r64 * (K // 32) + blk[None, :], mask=(r < N)[:, None] & (blk < K // 32)[None, :], other=127)
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_R, nb, 32)), (BLOCK_R, BLOCK_C))
-    tl.store(out_ptr + r64 * K + c[None, :], dequant_fp8(q, sc).to(out_ptr.dtype.element_ty), mask=ok)
+    r_ld = (r % N).to(tl.int64)[None, :]  # a partial last tile re-reads valid rows (not stored)
+    ok = (c < K)[:, None] & (r < N)[None, :]
+    offs = r_ld * K + c[:, None]
+    q = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    f = block_scale_factors(s_ptr + r_ld * (K // 32), tl.program_id(1) * BLOCK_C, K, BLOCK_C, BLOCK_R, False, False,
+                            True)
+    tl.store(out_ptr + offs, (q.to(tl.float32) * f).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def dequantize_mxfp8_triton(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:

@@ -60,12 +60,6 @@ def scale_factor(byte, F16: tl.constexpr):
 
 
 @triton.jit
-def dequant_fp8(q, scale_byte):
-    """MXFP8: ``float(q) * 2 ** (scale_byte - 127)`` in fp32, as ``mxfp8.dequantize_mxfp8``."""
-    return q.to(tl.float32) * scale_factor(scale_byte.to(tl.int32), False)
-
-
-@triton.jit
 def block_scale_factors(s_base, k, k_end, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F16: tl.constexpr,
                         WORDS: tl.constexpr, MASKED: tl.constexpr):
     """The scale factors (``scale_factor``) of columns ``[k, k + BLOCK_K)`` as a ``[BLOCK_K,

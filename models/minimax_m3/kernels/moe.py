@@ -620,11 +620,16 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         return out
     cfg = config or default_moe_config(d.T)
     T, H, K, E, I, Is = d.T, d.H, d.K, d.E, d.I, d.Is
+    fp8_mma = cfg.fp8_mma and scales is not None
+    # config checks before any launch
+    if fp8_mma and not fits_fp8_mma(H, I, Is, tuple(scales)):
+        raise ValueError(f"MoEConfig.fp8_mma needs H, I and Is multiples of {MMA_BLOCK_K} (got {H}, {I}, {Is}) "
+                         "and scales readable as int32 words (fp8_tiles.scale_words); pick another config")
+    if scales is not None and not fp8_mma and min(cfg.gu_block_k, cfg.down_block_k) < MX_BLOCK:
+        raise ValueError(f"MoEConfig with MXFP8 weights needs gu_block_k and down_block_k >= {MX_BLOCK} (one scale per "
+                         f"{MX_BLOCK} columns), got {cfg.gu_block_k} and {cfg.down_block_k}")
     off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
-    if cfg.fp8_mma and scales is not None:
-        if not fits_fp8_mma(H, I, Is, tuple(scales)):
-            raise ValueError(f"MoEConfig.fp8_mma needs H, I and Is multiples of {MMA_BLOCK_K} (got {H}, {I}, {Is}) "
-                             "and scales readable as int32 words (fp8_tiles.scale_words); pick another config")
+    if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages)
     else:
@@ -650,9 +655,6 @@ def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_
     y = torch.empty(P + T, H, dtype=torch.float32, device=dev)
 
     bn, bns, bk = cfg.gu_block_n, cfg.gu_block_n_shared, cfg.gu_block_k
-    if scales is not None and min(bk, cfg.down_block_k) < MX_BLOCK:
-        raise ValueError(f"MoEConfig with MXFP8 weights needs gu_block_k and down_block_k >= {MX_BLOCK} (one scale per "
-                         f"{MX_BLOCK} columns), got {bk} and {cfg.down_block_k}")
     esz, wsz = x.element_size(), w13.element_size()  # activation and weight bytes (fp8: 1)
     # Without scales the scale pointers are never read (W_FP8=False): the weights stand in.
     # The scales go as int32 words where all four allow it (pipelined loads: fp8_tiles), at

@@ -77,6 +77,13 @@ def _moe_split_rows_kernel(v_ptr, stride_v, q_ptr, stride_q_part, stride_q, f_pt
     c = tl.arange(0, BLOCK)
     ok = c < C
     v = tl.load(v_ptr + r.to(tl.int64) * stride_v + c, mask=ok, other=0.0)
+    _store_split_row(v, r, c, ok, q_ptr, stride_q_part, stride_q, f_ptr)
+
+
+@triton.jit
+def _store_split_row(v, r, c, ok, q_ptr, stride_q_part, stride_q, f_ptr):
+    """Row ``r`` (values ``v`` at columns ``c``, valid where ``ok``) split by ``fp8_split_rows``:
+    ``q[0, r]``, ``q[1, r]`` and ``f[r] = 2**-e``."""
     hi, lo, e = fp8_split_rows(v[None, :])
     base = q_ptr + r.to(tl.int64) * stride_q + c[None, :]
     tl.store(base, hi, mask=ok[None, :])
@@ -120,11 +127,7 @@ def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, s
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         a = tl.where(ok, g * tl.sigmoid(alpha * g) * (u + 1.0), 0.0)
-        hi, lo, e = fp8_split_rows(a[None, :])
-        base = aq_ptr + r.to(tl.int64) * stride_aq + c[None, :]
-        tl.store(base, hi, mask=ok[None, :])
-        tl.store(base + stride_aq_part, lo, mask=ok[None, :])
-        tl.store(fa_ptr + r + tl.arange(0, 1), scale_factor(127 - e, False))
+        _store_split_row(a, r, c, ok, aq_ptr, stride_aq_part, stride_aq, fa_ptr)
 
 
 def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, limit: float) -> tuple[Tensor, Tensor]:
