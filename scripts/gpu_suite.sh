@@ -21,7 +21,8 @@
 # kernel), mxfp8 (60-layer steps,
 # bf16 then MXFP8), mxserve (serving, bf16 then MXFP8, same requests), mxacc (MXFP8 vs its
 # dequantised bf16 twin: logits and 200-step greedy agreement), longserve (the long-context serving
-# preset), ttft (one 128K prompt alone), fp8decode (decode 32 at 128K, bf16 vs fp8 KV), or a pytest path.
+# preset), ttft (one 128K prompt alone), fp8decode (decode 32 at 128K, bf16 vs fp8 KV), indexdecode (the
+# decode step's sparse kernels alone at 64K and 128K, bf16 vs fp8 KV), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -117,6 +118,13 @@ for part in "${parts[@]}"; do
                 $T python3 examples/serve_sim.py --preset rank-of-8 --workload long ${LONGSERVE_ARGS:-} --json "$OUT/serve_sim_long${LONGSERVE_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     ttft)       # one 128K prompt alone: prefill to first token, with its chunk steps (TTFT_ARGS: e.g. --kv-dtype fp8)
                 $T python3 examples/serve_sim.py --preset rank-of-8 --workload long --requests 1 --concurrency 1 --prompt-len ${TTFT_LEN:-128000} --output-len 2 --modes full_and_piecewise --kv-dtype bf16 ${TTFT_ARGS:-} --json "$OUT/serve_sim_ttft.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    indexdecode) # the decode step's sparse kernels at 64K and 128K, bf16 vs fp8 KV (with a checkout of an earlier
+                # commit in .baseline/, the same benchmark on it first, side by side); INDEXDECODE_ARGS e.g. --prefill
+                rc=0
+                if [ -d .baseline ]; then
+                  PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} $T python3 benchmarks/bench_index_decode.py --label before --json "$OUT/bench_index_decode_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+                fi
+                $T python3 benchmarks/bench_index_decode.py --label after ${INDEXDECODE_ARGS:-} --json "$OUT/bench_index_decode${INDEXDECODE_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
     fp8decode)  # decode at long context, bf16 vs fp8 KV: the sparse kernels' GPU time per layer (FP8DECODE_LAYERS
                 # layers so 32 requests of 128K fit; the per-layer kernels do not depend on the layer count)
                 rc=0

@@ -10,6 +10,9 @@ Two kernels, used the same way by prefill and decode:
 1. ``_partial_kernel`` over (token tile, chunk of ``CHUNK`` key blocks): scores of the tile's
    rows (token x index head) against the chunk's blocks, then each row's best ``KP`` blocks
    of the chunk, as packed int64 keys (below), into a scratch ``[T, H, NC, KP]``.
+   Programs of one token (decode rows, and the one-token requests of a prefill step) run
+   ``_row_partial_kernel`` instead: the same candidates from a dot with the keys as its rows
+   (a single query would otherwise be padded to a 64-row tile).
 2. ``_merge_kernel`` over (token, head): the best ``topk - 1`` of the ``NC * KP`` candidates,
    then the local block, then ``-1``.
 
@@ -154,6 +157,74 @@ def _partial_kernel(
                 keys = tl.where(keys == best[:, None], -9223372036854775807, keys)
 
 
+# The token and its chunk index are runtime values (any batch, any context: one build), the
+# listed rows a view at any offset (as the partial kernel's tiles).
+@triton.jit(do_not_specialize=["NC"], do_not_specialize_on_alignment=["rows_ptr"])
+def _row_partial_kernel(
+    iq_ptr, stride_iq_t, stride_iq_h,
+    ik_ptr, stride_ik_p, stride_ik_s,
+    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
+    part_ptr, page_size, NC, rows_ptr,
+    HIDX: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
+    LISTED: tl.constexpr = False,
+):
+    """``_partial_kernel`` for one token per program (decode rows): the same candidates, from a
+    dot with the block's keys as its rows, ``[BLOCK_N keys, D] x [D, HP]`` (the token's index
+    heads, padded to ``HP >= 16``), where the query-rows form would pad one token to a 64-row
+    tile. At 64 rows the padding is 64x the tensor-core work of the real row, which at fp8 costs
+    as long as streaming the keys does; here it is at most 16x, and the bytes set the time.
+
+    Program ``(i, c)``: token ``i`` (or ``rows_ptr[2 i]`` when ``LISTED``), chunk ``c``. Only
+    blocks before the token's local block are scored: they hold no key past its position (no
+    causal mask), and the merge forces the local block in.
+    """
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    tok = tl.load(rows_ptr + 2 * i).to(tl.int32) if LISTED else i
+    slot = tl.load(slot_ptr + tok)
+    local = tl.load(pos_ptr + tok).to(tl.int32) // page_size
+    b0 = c * CHUNK
+    # A padded row (slot -1) and chunks past the local block (decode launches at block-table
+    # capacity) write nothing: the merge reads neither.
+    if (slot >= 0) & (b0 <= local):
+        h = tl.arange(0, HP)
+        d = tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, CHUNK)
+        q = tl.load(iq_ptr + tok.to(tl.int64) * stride_iq_t + h[:, None] * stride_iq_h + d[None, :],
+                    mask=(h[:, None] < HIDX) & (d[None, :] < DI), other=0.0)
+        q_lo = q
+        if DOT_F32:
+            q = q.to(tl.float32)
+        elif FP8_DOT:
+            q, q_lo, _ = fp8_split_rows(q)  # a row's scores are compared only with each other: 2**e stays
+        srow = tl.load(table_rows_ptr + tl.load(token_seq_ptr + tok))
+        bt_row = bt_ptr + srow.to(tl.int64) * stride_bt
+        S = tl.full([CHUNK, HP], float("-inf"), tl.float32)
+        for b in range(b0, tl.minimum(b0 + CHUNK, local)):
+            page = tl.load(bt_row + b)
+            kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
+                         mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
+            if DOT_F32:
+                sc = tl.dot(kt.to(tl.float32), tl.trans(q), input_precision="ieee")
+            elif FP8_DOT:
+                sc = tl.dot(kt, tl.trans(q), tl.dot(kt, tl.trans(q_lo)))
+            else:
+                sc = tl.dot(kt.to(q.dtype), tl.trans(q))
+            bs = tl.max(tl.where(n[:, None] < page_size, sc, float("-inf")), axis=0)  # [HP]
+            S = tl.where(cols[:, None] == b - b0, bs[None, :], S)
+        keys = _pack_keys(S, b0 + cols[:, None])
+        out = part_ptr + ((tok.to(tl.int64) * HIDX + h) * NC + c) * KP
+        if KP == CHUNK:
+            tl.store(out[None, :] + cols[:, None], keys, mask=h[None, :] < HIDX)
+        else:
+            for k in tl.static_range(KP):
+                best = tl.max(keys, axis=0)
+                tl.store(out + k, best, mask=h < HIDX)
+                keys = tl.where(keys == best[None, :], -9223372036854775807, keys)
+
+
 @triton.jit
 def _top_keys(keys, n, kk, TOPK_PAD: tl.constexpr):
     """The ``n`` largest of ``keys`` (distinct), descending, in a ``[TOPK_PAD]`` list padded
@@ -221,9 +292,21 @@ def _check(iq: Tensor, index_k_l: Tensor, out: Tensor, topk: int, page_size: int
 
 def merge_piece(num_candidates: int, stable: bool) -> int:
     """Candidates the merge selects from at a time: ``stable`` (a prefill, whose candidate
-    count grows with the context) a fixed 128, so one build serves every length; otherwise
-    (decode graphs, a fixed count per graph) all of them in one piece, up to 512."""
-    return 128 if stable else min(512, max(16, next_pow2(num_candidates)))
+    count grows with the context) a fixed 512, so one build serves every length; otherwise
+    (decode graphs, a fixed count per graph) all of them in one piece, up to 512.
+
+    A piece costs ``topk - 1`` max-passes, and merging it into the running list as many again
+    over two short lists, each pass a chain of warp shuffles: the passes, not the candidates
+    a lane holds, set the time, so few large pieces beat many small ones (a 1024-token chunk
+    at 128K context has 1024 candidates per row: 8 pieces of 128 took 38 us on the H200)."""
+    return 512 if stable else min(512, max(16, next_pow2(num_candidates)))
+
+
+# The one-token partial kernel's warps and pipeline depth: one warpgroup (a 128-key block is two
+# of wgmma's 64-row steps), three loads in flight. Measured on the H200 (decode 32 at 128K, fp8
+# keys): 4 stages or 8 warps no faster; two or four blocks per loop step (one 256- or 512-row
+# dot) 13-50% slower.
+ROW_CONFIG = {"num_warps": 4, "num_stages": 3}
 
 
 def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
@@ -231,7 +314,8 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
             single_tiles: Tensor | None = None) -> None:
     """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row.
 
-    The partial kernel runs the fixed grid of ``cdiv(T, block_t)`` token tiles, or with
+    The partial kernel runs the fixed grid of ``cdiv(T, block_t)`` token tiles (one token per
+    program: ``_row_partial_kernel``), or with
     ``tiles`` (``int32 [n, 2]``, checked by the caller) one program per ``(start, end)`` row
     range, and with ``single_tiles`` a second launch of one-row tiles at ``BLOCK_T = 1``;
     together they must cover every row ``< T``: the merge reads every row's candidates.
@@ -255,8 +339,17 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     for bt, n, rows in ((block_t, programs, tiles), (1, singles, single_tiles)):
         if n == 0:
             continue
+        if bt == 1:  # one token per program: its keys are the dot's rows
+            _row_partial_kernel[(n, nc)](
+                iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
+                meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
+                buf.slot_mapping, part, meta.page_size, nc, buf.token_seq if rows is None else rows,
+                HIDX=H, DI=Di, HP=pad_dim(H), BLOCK_N=pad_dim(meta.page_size), BLOCK_D=pad_dim(Di), CHUNK=chunk,
+                KP=kp, DOT_F32=dot_f32, FP8_DOT=fp8_dot, LISTED=rows is not None, **ROW_CONFIG,
+            )
+            continue
         # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
-        # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad a decode row to 64.
+        # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad the tile to 64.
         block_m = pad_dim(bt * H, 64 if fp8_dot else 16)
         _partial_kernel[(n, nc)](
             iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
@@ -274,12 +367,17 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     )
 
 
-def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device) -> int:
-    """Key blocks per decode program: enough programs (~2 per SM) to stream index-K at full
-    bandwidth for small batches, fewer and longer ones for large batches. Shape-only."""
-    want_programs = 2 * num_sms(device)
+def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device, key_bytes: int = 2) -> int:
+    """Key blocks per decode program: enough programs to stream index-K at full bandwidth for
+    small batches, fewer and longer ones for large batches. Shape-only.
+
+    The programs wanted are about as many as fit on the GPU at once: ~2 per SM for 2-byte keys,
+    twice that for fp8 (a program's shared memory holds its pages in flight, half the bytes).
+    One more than fit costs a second, mostly empty wave (on the H200, 128K context, 32 rows of
+    bf16 keys: 512 programs 333 us, 256 programs 277 us)."""
+    want_programs = 2 * num_sms(device) * max(1, 2 // key_bytes)
     per_row = triton.cdiv(want_programs, max(num_tokens, 1))
-    return min(64, max(4, next_pow2(triton.cdiv(max(num_blocks, 1), per_row))))
+    return min(128, max(4, next_pow2(triton.cdiv(max(num_blocks, 1), per_row))))
 
 
 def index_topk_decode(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
@@ -301,7 +399,7 @@ def index_topk_decode(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, to
     T = iq.shape[0]
     _check(iq, index_k_l, out, topk, meta.page_size, T)
     cap = meta.block_tables.shape[1]
-    chunk = chunk or decode_chunk(T, cap, iq.device)
+    chunk = chunk or decode_chunk(T, cap, iq.device, index_k_l.element_size())
     _launch(iq, index_k_l, meta, out, topk, T, cap, 1, chunk)
 
 
@@ -339,17 +437,22 @@ def index_topk_prefill(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, t
         block_t = default_block_t(iq.shape[1])
     if tiles is not None:
         check_tile_rows(tiles, block_t, T)
-        chunk = chunk or decode_chunk(tiles.shape[0], num_blocks, iq.device)
+        chunk = chunk or decode_chunk(tiles.shape[0], num_blocks, iq.device, index_k_l.element_size())
     if chunk is None:
         chunk = 64 if num_blocks <= 2048 else 128
     _launch(iq, index_k_l, meta, out, topk, T, num_blocks, block_t, chunk, tiles)
 
 
 def tile_block_t(num_index_heads: int) -> int:
-    """Tokens per request-aligned prefill tile: 128 rows of ``tl.dot`` (tokens x index heads).
-    A long-context chunk's tiles each stream the whole index-K of the request, so the bytes
-    read fall with the tile size (at 64K context a 1024-token chunk re-reads 16 MB per tile)."""
-    return max(1, 128 // num_index_heads)
+    """Tokens per request-aligned prefill tile: 64 rows of ``tl.dot`` (tokens x index heads).
+
+    Each tile streams the whole index-K of its request, but the tiles of one chunk of key
+    blocks run side by side (the grid's fast axis), so all but the first read it from L2: what
+    counts is how full the SMs are. A 128-row program needs 255 registers a thread (one per
+    SM); two 64-row ones fit. On the H200 (a 1024-token chunk + 3 decodes, bf16 index-K,
+    graph replay), 64 / 128 / 256-row tiles: 44.0 / 47.5 / 56.4 us at 3K context, 93.5 / 102.6
+    / 88.2 us at 64K, 161.2 / 179.8 / 151.2 us at 128K."""
+    return max(1, 64 // num_index_heads)
 
 
 # Key blocks per partial program of a tiled prefill: every block of the chunk is kept as a
@@ -392,4 +495,4 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
 
 
 __all__ = ["TILED_CHUNK", "decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill",
-           "index_topk_prefill_tiled", "merge_piece", "tile_block_t"]
+           "index_topk_prefill_tiled", "merge_piece", "tile_block_t", "ROW_CONFIG"]
