@@ -10,7 +10,8 @@ top-16), every cache slot random, the block table as wide as the context. Timed,
 - ``sparse``: both, one graph (the figure of issue 21's fp8 / bf16 target).
 With ``--prefill``, the indexer of a 1024-token chunk ending at each context (3 decodes beside
 it, request-aligned tiles, as the Triton backend runs a mixed step), per kernel from the
-profiler. Each decode selection is checked against ``index_topk_ref`` (on the fp8 kernels'
+profiler. With ``--sweep``, the one-token partial kernel's chunk, warps and stages at the
+largest step. Each decode selection is checked against ``index_topk_ref`` (on the fp8 kernels'
 split queries for an fp8 cache): the rows that differ are printed (near-ties of fp8 wgmma's
 accumulation may flip a few).
 
