@@ -170,6 +170,7 @@ def run_mode(base: ModelRunner, mode: str, audit_every: int, env: CaptureConfig,
     config = EngineConfig(sched, overlap=not args.no_overlap)
     warm = Engine(runner, config)
     serve(warm, warmup, concurrency=args.concurrency)  # JIT, tuning, allocator
+    warm_choices = runner.kernel_choices_after_capture() or []
     before = hits_snapshot(runner)
     if cuda:
         torch.cuda.synchronize()
@@ -208,6 +209,8 @@ def run_mode(base: ModelRunner, mode: str, audit_every: int, env: CaptureConfig,
     label = mode if not audit_every else f"{mode}+audit{audit_every}"
     out = {"mode": label, "audit_every": audit_every, "capture_s": capture_s, **summarize(engine, wall),
            **bucket_figures(runner, before), **peak, **compile_events(runner, warm, engine)}
+    choices = runner.kernel_choices_after_capture() or []
+    out.update(warmup_kernel_choices=warm_choices, kernel_choices=[c for c in choices if c not in warm_choices])
     kv = runner.cache.config
     out.update(kv_pages=runner.num_pages, kv_capacity_tokens=runner.num_pages * runner.page_size,
                kv_cache_dtype=str(kv.dtype).removeprefix("torch."),
@@ -277,6 +280,9 @@ def table(results: list[dict]) -> Table:
                                                   + (f" +{r['warmup_compiles']} ({r['warmup_disk_loads']}) warm-up"
                                                      if r["warmup_compiles"] or r["warmup_disk_loads"] else "")
                                                   for r in results])
+    t.add_row("kernel validations after capture", *[f"{len(r['kernel_choices'])}"
+                                                     + (f" +{len(r['warmup_kernel_choices'])} warm-up"
+                                                        if r["warmup_kernel_choices"] else "") for r in results])
     t.add_row("KV pages peak used / claimed / cache", *[f"{r['kv_pages_peak_used']} / {r['kv_pages_peak_claimed']} / "
                                                          f"{r['kv_pages']}" for r in results])
     t.add_row("KV capacity tokens", *[f"{r['kv_capacity_tokens']:,} {r['kv_cache_dtype']}" for r in results])
@@ -526,7 +532,8 @@ def main() -> None:
                 against_first.append((r, results[i]))
             console.print(f"{r['mode']}: per-user {r['per_user_tok_s_mean']:.2f} tok/s, TTFT p50 "
                           f"{r['ttft_s_p50']:.3f} s, {r['steps']} steps in {r['wall_s']:.1f} s, "
-                          f"{r['compiles_after_capture']} compiles after capture, worst chunk step / p50 "
+                          f"{r['compiles_after_capture']} compiles and {len(r['kernel_choices'])} kernel validations "
+                          f"after capture, worst chunk step / p50 "
                           f"{same_context(r['chunk_step_worst_bin'])}")
             write_json(results)  # after every run: a run cut short by a time box keeps the finished ones
     console.print(table(results))

@@ -111,6 +111,23 @@ def piecewise_graph_buckets(config: CaptureConfig, decode: tuple[int, ...] = ())
     return tuple(b for b in default_buckets(config.max_tokens) if b > top) or (config.max_tokens,)
 
 
+def eager_warmup_buckets(config: CaptureConfig, decode: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Sizes warmed up eagerly before capture returns, with no graph: in mode ``decode`` its
+    other steps (prefill chunks, mixed steps) run eagerly at their own sizes, and a kernel
+    specialised on a size range (a router config per power-of-two range, a prefill tile
+    kernel) would otherwise compile or be validated on the first serving step that meets it,
+    stalling every request. The sizes are those ``piecewise_graph_buckets`` would derive for
+    mode ``full_and_piecewise`` (the default geometric buckets above ``max(decode)``), one per
+    range a size-dependent choice could make, and at least ``max_tokens``: a warm-up step of a
+    piecewise key mixes a chunk with a one-token request, so the prefill paths of the eager
+    splices are built even where decode graphs cover every size. Empty in every other mode:
+    their steps pad into piecewise graphs, whose warm-up builds the same kernels."""
+    if config.graph_mode != "decode":
+        return ()
+    top = max(decode, default=0)
+    return tuple(b for b in default_buckets(config.max_tokens) if b > top) or (config.max_tokens,)
+
+
 def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``num_tokens``; ``None`` above the ceiling (run eagerly)."""
     if num_tokens < 1:

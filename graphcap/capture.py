@@ -75,13 +75,13 @@ class Capturer:
                 run_eager(self.eager.forward, views, step, padding, None)
         torch.cuda.synchronize(self.device)
 
-    def warm_up(self, key: GraphKey, guard: bool) -> EagerDriver:
-        """``warmup_steps`` eager runs of ``key``'s dummy step on the side stream (allocator
-        warm-up, lazy init, the last JIT builds), the first guarded when ``guard``. Returns the
-        last run's driver (which splices ran, which are not graph-safe)."""
+    def warm_up(self, key: GraphKey, guard: bool, steps: int | None = None) -> EagerDriver:
+        """``steps`` (default ``warmup_steps``) eager runs of ``key``'s dummy step on the side
+        stream (allocator warm-up, lazy init, the last JIT builds), the first guarded when
+        ``guard``. Returns the last run's driver (which splices ran, which are not graph-safe)."""
         step = self.source.dummy_step(key, Purpose.CAPTURE)
         with torch.cuda.stream(self.stream):
-            for i in range(self.config.warmup_steps):
+            for i in range(steps or self.config.warmup_steps):
                 _, driver = self.eager.padded(step, padding_of(step, key), guard=guard and i == 0)
         return driver
 

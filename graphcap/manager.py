@@ -24,7 +24,15 @@ import torch
 
 from common.deprecation import warn_renamed
 
-from .buckets import GraphKey, Padding, bucket_for, capture_order, decode_graph_buckets, piecewise_graph_buckets
+from .buckets import (
+    GraphKey,
+    Padding,
+    bucket_for,
+    capture_order,
+    decode_graph_buckets,
+    eager_warmup_buckets,
+    piecewise_graph_buckets,
+)
 from .capture import Capturer, padding_of
 from .config import CaptureConfig
 from .eager import EagerPath
@@ -70,6 +78,9 @@ class CaptureManager:
         self.forward, self.inputs, self.config, self.source = forward, inputs, config, source
         self.decode_buckets = decode_graph_buckets(config, request_capacity)
         self.piecewise_buckets = piecewise_graph_buckets(config, self.decode_buckets)
+        # Mode decode's eager step sizes, warmed once before the first capture returns.
+        self.eager_warmup_buckets = eager_warmup_buckets(config, self.decode_buckets)
+        self._eager_warmed = False
         self.device = inputs.device
         self.stats = CaptureStats()
         self.peers = Peers(gather)
@@ -111,6 +122,14 @@ class CaptureManager:
         """Every graph to capture, in capture order (largest first)."""
         return capture_order([GraphKey(b, False) for b in self.piecewise_buckets]
                              + [GraphKey(b, True) for b in self.decode_buckets])
+
+    def eager_warmup_keys(self) -> list[GraphKey]:
+        """The eager step sizes warmed before capture returns (``eager_warmup_buckets``), as
+        piecewise keys of dummy steps that are run, never captured; empty once warmed (a
+        recapture finds their kernels built and their choices made)."""
+        if self._eager_warmed:
+            return []
+        return capture_order(GraphKey(b, False) for b in self.eager_warmup_buckets)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -202,7 +221,7 @@ class CaptureManager:
         what = "building kernels (prebuild)"
         try:
             t0 = time.perf_counter()
-            capturer.prebuild(self.keys())
+            capturer.prebuild(self.keys() + self.eager_warmup_keys())
             t1 = time.perf_counter()
             stats.jit_s = t1 - t0
             what = "warming up"
@@ -260,6 +279,9 @@ class CaptureManager:
         self._skip_unsafe({key: run(key) for key in self.keys() if key.decode})
         for key in (k for k in self.keys() if not k.decode):
             run(key)
+        for key in self.eager_warmup_keys():
+            self.capturer.warm_up(key, guard=False, steps=1)
+        self._eager_warmed = True
         torch.cuda.synchronize(self.device)
         return [k for k in self.keys() if not self.table.unavailable(k)]
 

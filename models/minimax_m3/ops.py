@@ -207,6 +207,9 @@ class FusedMoE:
         # model -> the MXFP8 candidate families its weights allow (f16, fp8_mma): read once
         self._fits: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, bool]] = weakref.WeakKeyDictionary()
         self._configs: dict[int, object] = {}  # token count -> the validated MoEConfig
+        # Configs that passed validation at some token count: the kernels take the count at run
+        # time, so an eager step of another count may run one without a probe of its own.
+        self._validated: set[object] = set()
 
     def route(self, moe: BlockSparseMoE, x: torch.Tensor,
               num_real_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,10 +265,16 @@ class FusedMoE:
         (random hidden states routed by the first MoE layer's own router and weights) and is
         compared with the torch reference; ``extra`` adds candidates (tests inject bad ones).
         ``tune=False`` validates the default configuration alone (no timing): for row counts no
-        graph has, which a serving loop meets by the hundred and must not autotune mid-run."""
-        from .kernels.moe import fused_moe_torch, moe_config_candidates
+        graph has, which a serving loop meets by the hundred and must not autotune mid-run; the
+        default is then validated once, not once per count: a count whose default passed at
+        another count (the prebuild validates every candidate of its graph sizes) takes it with
+        no probe, since a probe run, the reference and their host sync would stall the step."""
+        from .kernels.moe import default_moe_config, fused_moe_torch, moe_config_candidates
 
         if num_tokens in self._configs:
+            return
+        if not tune and default_moe_config(num_tokens) in self._validated:
+            self._configs[num_tokens] = default_moe_config(num_tokens)
             return
         probe = self._probe(model, num_tokens)
         if probe is None:
@@ -295,6 +304,8 @@ class FusedMoE:
         name = self.tuner.choose("moe", num_tokens, candidates, reference,
                                  tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature)
         self._configs[num_tokens] = by_name[name]
+        passed = self.tuner.choices[("moe", num_tokens)].timings_us  # the candidates that passed
+        self._validated.update(by_name[n] for n in passed if n in by_name)
 
     def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
         """Launch the router and every candidate configuration for ``num_tokens`` rows once on

@@ -85,6 +85,7 @@ class ModelRunner:
         self.manager = self._make_manager(capture or CaptureConfig(max_tokens=max_tokens))
         # Positions of the process's compile counter when capture() began and returned.
         self._compile_marks: tuple[int, int] | None = None
+        self._choices_at_capture: frozenset | None = None  # the op table's kernel choices then
 
     def _make_manager(self, capture: CaptureConfig) -> CaptureManager:
         if capture.max_tokens > self.max_tokens:
@@ -116,6 +117,7 @@ class ModelRunner:
         other = copy.copy(self)
         other.manager = other._make_manager(capture)
         other._compile_marks = None  # "after capture" means after the twin's own capture
+        other._choices_at_capture = None
         return other
 
     @property
@@ -221,6 +223,7 @@ class ModelRunner:
         start = counter.count
         self.manager.capture()
         self._compile_marks = (start, counter.count)
+        self._choices_at_capture = frozenset(self._kernel_choices())
 
     def compiles_during_capture(self) -> list[CompileEvent]:
         """Triton builds and disk-cache loads of the last ``capture()``: compile-ahead, kernel
@@ -238,6 +241,19 @@ class ModelRunner:
         if self._compile_marks is None:
             return None
         return compile_counter().since(self._compile_marks[1] + start)
+
+    def _kernel_choices(self) -> set:
+        tuner = getattr(self.model.ops, "tuner", None)
+        return set(tuner.choices) if tuner is not None else set()
+
+    def kernel_choices_after_capture(self) -> list[str] | None:
+        """The kernel choices (``op shape``) the op table validated since ``capture()`` returned
+        (``None`` before a capture). Each ran a probe, the reference and a host sync inside a
+        serving step, a stall like a compile's: the capture should have made every choice a
+        step needs. The tuner is the model's: a twin's choices of that time count too."""
+        if self._choices_at_capture is None:
+            return None
+        return sorted(f"{op} {key}" for op, key in self._kernel_choices() - self._choices_at_capture)
 
     def validate(self) -> dict[GraphKey, str]:
         """Replay vs eager per graph on validation data, then frozen-value detection when the

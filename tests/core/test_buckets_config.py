@@ -14,6 +14,7 @@ from graphcap import (
     padded_rows,
     piecewise_graph_buckets,
 )
+from graphcap.buckets import eager_warmup_buckets
 
 
 @pytest.mark.parametrize("ceiling", [1, 7, 8, 100, 512, 4096])
@@ -211,6 +212,17 @@ def test_mode_picks_the_bucket_sets():
     assert decode["decode"] == decode["full_and_piecewise"] == (1, 2, 4, 8) and decode["piecewise"] == ()
     assert piecewise["decode"] == () and piecewise["piecewise"] == default_buckets(64)
     assert piecewise["full_and_piecewise"] == tuple(b for b in default_buckets(64) if b > 8)
+
+
+def test_mode_decode_warms_its_eager_step_sizes():
+    """Mode decode runs every other step eagerly: the sizes a piecewise graph would have had are
+    warmed before capture returns (at least the ceiling, for the chunk kernels); the other
+    modes pad those steps into piecewise graphs and warm nothing extra."""
+    decode = decode_graph_buckets(CaptureConfig(mode="decode", max_tokens=64), 8)
+    assert eager_warmup_buckets(CaptureConfig(mode="decode", max_tokens=64), decode) == (12, 16, 24, 32, 48, 64)
+    assert eager_warmup_buckets(CaptureConfig(mode="decode", max_tokens=8), (1, 2, 4, 8)) == (8,)
+    for mode in ("none", "piecewise", "full_and_piecewise"):
+        assert eager_warmup_buckets(CaptureConfig(mode=mode, max_tokens=64), decode) == ()
 
 
 def test_mode_from_env():

@@ -334,6 +334,45 @@ def test_fused_moe_validates_its_configuration_and_rejects_a_corrupt_candidate()
     assert "corrupt" in console.export_text()
 
 
+def test_fused_moe_validates_a_default_once_not_once_per_eager_step_size():
+    """An eager step of a size no graph has runs the default configuration, validated alone. A
+    default that passed at another size is taken with no probe (a probe, the reference and the
+    host sync would stall that step); a default no size has validated yet is probed once."""
+    from models.minimax_m3.kernels.moe import default_moe_config
+
+    r = build_from_preset("tiny", "cpu", torch.float32, producer="triton", max_tokens=80, max_seqs=2, max_seq_len=96)
+    ops = r.model.ops
+    ops.moe.choose(r.model, 4)  # a graph size: its candidates validated
+    ops.moe.choose(r.model, 7, tune=False)  # same default config: no probe
+    assert set(ops.tuner.choices) == {("moe", 4)}
+    assert ops.moe._configs[7] == default_moe_config(7) == default_moe_config(4)
+    assert default_moe_config(70) != default_moe_config(4)
+    ops.moe.choose(r.model, 70, tune=False)  # the prefill default: validated on its own probe, once
+    ops.moe.choose(r.model, 75, tune=False)
+    assert set(ops.tuner.choices) == {("moe", 4), ("moe", 70)}
+    assert ops.moe._configs[75] == default_moe_config(70)
+    r.add_request("a")
+    r.step([TokenChunk("a", 0, list(range(1, 76)))])  # unpadded eager at 75 rows: nothing new validated
+    assert set(ops.tuner.choices) == {("moe", 4), ("moe", 70)}
+
+
+def test_runner_lists_the_kernel_choices_made_after_its_capture():
+    """A kernel choice made inside a serving step (a probe, the reference, a host sync) stalls it
+    like a compile: the runner lists those made since its capture returned, for the serving
+    simulation to print. Debug-eager on the CPU makes no choice at capture, so the first step's
+    bucket (5 tokens pad to the piecewise bucket of 8) is validated then."""
+    r = build_from_preset("tiny", "cpu", torch.float32, producer="triton", max_tokens=16, max_seqs=2,
+                          max_seq_len=32, capture=CaptureConfig(enabled=True, debug_eager=True, max_tokens=16))
+    assert r.kernel_choices_after_capture() is None
+    r.capture()
+    assert r.kernel_choices_after_capture() == []
+    r.add_request("a")
+    r.step([TokenChunk("a", 0, [1, 2, 3, 4, 5])])
+    assert r.kernel_choices_after_capture() == ["moe 8"]
+    twin = r.with_capture(CaptureConfig(max_tokens=16))
+    assert twin.kernel_choices_after_capture() is None  # counted from its own capture
+
+
 @pytest.mark.parametrize("bucket, decode", [(1, True), (6, True), (5, False), (64, False)])
 @pytest.mark.parametrize("purpose", list(Purpose), ids=[p.value for p in Purpose])
 def test_dummy_steps_write_distinct_capture_slots_and_read_only_this_steps_writes(bucket, decode, purpose):

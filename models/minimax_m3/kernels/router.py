@@ -134,7 +134,8 @@ def route_torch(
 # Triton
 
 
-@triton.jit
+# T unspecialised (no divisible-by-16 build): eager steps of any size share one build per config.
+@triton.jit(do_not_specialize=["T"])
 def _router_logits_kernel(
     x_ptr, stride_x, w_ptr, part_ptr, T,
     E: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -175,7 +176,7 @@ def _router_logits_kernel(
         tl.store(part_ptr + (ps * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _router_topk_kernel(
     part_ptr, bias_ptr, nrt_ptr, local_ptr, wout_ptr, glob_ptr,
     T, expert_offset, num_local, scale,
