@@ -231,7 +231,7 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
                 q, sc, _ = wts.fp8[i]
                 return lambda: fused_moe(x, ids, w, *q, ALPHA, LIMIT, out, config=cfg, scales=sc)
 
-            kind = " f16" if cfg.fp8_f16 else " mma" if cfg.fp8_mma else ""
+            kind = " f16" if cfg.fp8_f16 else " mma f16" if cfg.mma_f16 else " mma" if cfg.fp8_mma else ""
             run("fused_moe mxfp8" + kind, f"cand{ci}" + (" (default)" if ci == 0 else ""),
                 make8, ref8, nbytes8)
 

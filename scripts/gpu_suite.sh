@@ -17,8 +17,8 @@
 # by side), audit (60-layer serving with audits off, 1 in 10 and 1 in 1000), routing (60-layer steps
 # with the concentrated random router, the calibrated one and uniform routing), fp8linear (the
 # MXFP8 projections: bf16 vs dequantise + F.linear vs the Triton fp8 kernels), fp8stream (how fast a
-# plain kernel streams fp8 weights, row-major vs tiled), moeconfigs (given MoE tile sets, time per
-# kernel), mxfp8 (60-layer steps,
+# plain kernel streams fp8 weights, row-major vs tiled, and with the MXFP8 inner loops' scales and
+# dequantise), moeconfigs (given MoE tile sets, time per kernel), mxfp8 (60-layer steps,
 # bf16 then MXFP8), mxserve (serving, bf16 then MXFP8, same requests), mxacc (MXFP8 vs its
 # dequantised bf16 twin: logits and 200-step greedy agreement), longserve (the long-context serving
 # preset), ttft (one 128K prompt alone), fp8decode (decode 32 at 128K, bf16 vs fp8 KV), indexdecode (the

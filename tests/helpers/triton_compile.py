@@ -35,8 +35,10 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                    arch: int = 90) -> dict:
     """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
     its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "fp8_wgmma": bool,
-    "cp_async": bool, "k_loop_loads": n}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they
-    are; ``cp_async``: some load is pipelined through asynchronous copies into shared memory;
+    "wgmma_reg_a": bool, "ldmatrix": bool, "cp_async": bool, "k_loop_loads": n}`` (``fp8_wgmma``: a
+    wgmma takes e4m3 operands as they are; ``wgmma_reg_a``: a wgmma takes its first operand from
+    registers; ``ldmatrix``: some operand goes from shared memory to registers through
+    ``ldmatrix``; ``cp_async``: some load is pipelined through asynchronous copies into shared memory;
     ``k_loop_loads``: loads left synchronous in a loop that feeds a dot, each a full memory
     latency per step).
 
@@ -84,6 +86,7 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     return dict(shared=compiled.metadata.shared, regs=int(regs.group(1)) if regs else -1,
                 spill_bytes=int(spills.group(1)) if spills else 0, wgmma="wgmma" in ptx,
                 fp8_wgmma=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+                wgmma_reg_a=bool(re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", ptx)), ldmatrix="ldmatrix" in ptx,
                 cp_async="cp.async" in ptx, k_loop_loads=k_loop_loads(compiled.asm["ttgir"]))
 
 

@@ -289,17 +289,26 @@ def test_fp8_mma_kernels_compile_for_hopper():
     M = "models.minimax_m3.kernels.moe_fp8_mma"
     configs = moe._mma_candidates(1) + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64, mma_num_stages=3)]
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
-                     "DOT_F32": False}, ptrs, [], 4, c.mma_num_stages]
+                     "DOT_F32": False, "F16": False}, ptrs, [], 4, c.mma_num_stages]
              for c in configs for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
     cases += [[M, "_moe_split_rows_kernel", {"BLOCK": 8192}, ptrs, [], 8, 1],
-              [M, "_moe_swiglu_split_kernel", {"E": REAL["E"], "SPLIT": 2, "BLOCK": 4096}, ptrs, ["alpha", "limit"],
-               8, 1]]
+              [M, "_moe_swiglu_split_kernel", {"E": REAL["E"], "SPLIT": 2, "BLOCK": 4096, "F16": False}, ptrs,
+               ["alpha", "limit"], 8, 1]]
+    f16 = moe._mma_candidates(1054, f16=True) + [dataclasses.replace(c, mma_f16=True) for c in moe._mma_candidates(1)]
+    cases += [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
+                      "DOT_F32": False, "F16": True}, dict(ptrs, xq_ptr="fp16", aq_ptr="fp16"), [], 4, c.mma_num_stages]
+              for c in f16 for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
     reports = run_compile_reports(cases)
-    gemms = reports[:-2]
+    gemms, rest = reports[:2 * len(configs)], reports[2 * len(configs) + 2:]
     assert all(r["fp8_wgmma"] and r["cp_async"] for r in gemms), gemms
     assert all(r["k_loop_loads"] == (2 if i % 2 == 0 else 1) for i, r in enumerate(gemms)), gemms
     decode = gemms[: 2 * len(moe._mma_candidates(1))]
     assert all(65536 // (r["regs"] * 128) >= 3 and r["shared"] <= 227 * 1024 // 3 for r in decode), decode
+    # f16 form: the dequantised weights are wgmma's register operand, straight from the layout the
+    # weights leave shared memory in (no ldmatrix: no second trip through shared memory), every
+    # load streamed, at least two programs per SM
+    assert all(r["wgmma_reg_a"] and not r["ldmatrix"] and r["cp_async"] and r["k_loop_loads"] == 0
+               and 65536 // (r["regs"] * 128) >= 2 for r in rest), rest
 
 
 # ---- GPU: real shapes ------------------------------------------------------------------------
@@ -527,6 +536,33 @@ def test_fp8_mma_candidates_track_the_dequantized_weights(T):
         assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 3e-3), cfg
 
 
+@pytest.mark.parametrize("T", [1, 5, 40, 100])
+def test_fp8_mma_f16_candidates_track_the_dequantized_weights(T):
+    """The weight-row tiles with the weights dequantised to f16 in registers (``mma_f16``: x and
+    the activation in f16, no row split) against the torch twin on the dequantised weights:
+    within f16 rounding of x and the activation on CPU (fp32 dots); offered with f16 math
+    only, at decode and prefill sizes."""
+    pb = Problem(T, E=6, seed=90 + T, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, **FP8_EVEN)
+    w8, scales, deq = quantized(pb)
+    assert moe.scales_fit_f16(scales)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    assert not any(c.mma_f16 for c in moe.moe_config_candidates(T, fp8_mma=True))
+    configs = [c for c in moe.moe_config_candidates(T, f16=True, fp8_mma=True) if c.mma_f16]
+    assert all(c.fp8_mma for c in configs) and bool(configs) == (T > 64)  # offered at prefill sizes only
+    # the path itself takes any T and tile: decode-sized tiles, K splits, two warpgroups
+    configs += [moe.MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=n, mma_block_t=t, mma_split=sp)
+                for n, t, sp in ((64, 16, 1), (64, 16, 4), (128, 16, 3))]
+    for cfg in configs:
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 1e-3), cfg
+
+
+def test_mma_f16_is_a_form_of_the_fp8_mma_tiles():
+    with pytest.raises(ValueError, match="mma_f16 is a form of the fp8_mma tiles"):
+        moe.MoEConfig(mma_f16=True)
+
+
 def test_fp8_mma_refuses_shapes_it_cannot_tile():
     pb = Problem(3, E=2, seed=3, dtype=torch.float32, **FP8_SMALL)  # H = 64: not a multiple of 128
     w8, scales, _ = quantized(pb)
@@ -575,15 +611,16 @@ def test_cuda_moe_split_rows_kernel_equals_torch():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T", [1, 32])
-def test_cuda_fp8_mma_replay_is_bit_identical(T):
-    """A captured fp8 tensor-core MoE replays bit-identically to eager runs of the same inputs,
-    routing and x changed in place between replays (no atomics, fixed orders)."""
+@pytest.mark.parametrize("T,f16", [(1, False), (32, False), (200, True)])
+def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
+    """A captured fp8 weight-row MoE (e4m3 dots, or ``f16`` dequantised) replays bit-identically
+    to eager runs of the same inputs, routing and x changed in place between replays (no
+    atomics, fixed orders)."""
     pb = real_problem(T, seed=300 + T)
     gen = torch.Generator(device=DEV).manual_seed(T)
     pb.ids, pb.w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
     w8, scales, _ = quantized(pb)
-    cfg = moe._mma_candidates(T)[1]  # K split in two: the combine sums the splits
+    cfg = moe._mma_candidates(T, f16)[-1]  # decode: K split in 4, summed by the combine
     args = lambda: (pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT)  # noqa: E731
     out = pb.poisoned_out()
     moe.fused_moe(*args(), out, config=cfg, scales=scales)

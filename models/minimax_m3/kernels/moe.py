@@ -36,7 +36,8 @@ whether any) is read from the device inside the kernels, and the scratch is allo
 shapes (allocation under capture uses the graph's pool).
 
 MXFP8 weights run these kernels dequantising in registers, or (``MoEConfig.fp8_mma``) the
-fp8 tensor-core GEMMs of ``moe_fp8_mma`` between the same align and combine launches.
+weight-row GEMMs of ``moe_fp8_mma`` (fp8 tensor-core dots, or with ``mma_f16`` the weights
+dequantised as wgmma's register operand) between the same align and combine launches.
 
 ``fused_moe_torch`` is the same function in plain torch: the reference the kernels are tested
 against, and the CPU path.
@@ -101,6 +102,10 @@ class MoEConfig:
             own tiles: ``mma_block_n`` weight rows per program (64: one wgmma), ``mma_block_t``
             pairs per tile (the wgmma N), ``mma_split`` programs splitting each K, and
             ``mma_num_stages``. The other tile fields are unused then.
+        mma_f16: with ``fp8_mma``, the same tiles with the weights dequantised to f16 in
+            registers and dotted with f16 rows (the weight tile is wgmma's register operand:
+            one K = 128 dot per step, no per-block product to wait for, no row split); only
+            for scales within ``F16_SCALE_EXPONENTS`` (``scales_fit_f16``).
     """
 
     block_m: int = 16
@@ -121,6 +126,7 @@ class MoEConfig:
     mma_block_t: int = 16
     mma_split: int = 1
     mma_num_stages: int = 4
+    mma_f16: bool = False
 
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h",
@@ -131,6 +137,8 @@ class MoEConfig:
         if self.mma_block_n not in (64, 128) or self.mma_block_t not in (8, 16, 32, 64) or self.mma_split < 1:
             raise ValueError(f"MoEConfig: mma_block_n must be 64 or 128, mma_block_t one of 8, 16, 32, 64 and "
                              f"mma_split >= 1, got {self.mma_block_n}, {self.mma_block_t}, {self.mma_split}")
+        if self.mma_f16 and not self.fp8_mma:
+            raise ValueError("MoEConfig.mma_f16 is a form of the fp8_mma tiles: set fp8_mma=True too")
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"MoEConfig.combine_block must be a power of two, got {self.combine_block}")
 
@@ -165,21 +173,29 @@ def moe_config_candidates(num_tokens: int, f16: bool = False, fp8_mma: bool = Fa
     timing on the GPU). All of them fit Hopper's shared memory at the M3 shapes. ``f16``
     (MXFP8 weights whose scales fit, ``scales_fit_f16``): then each of them again with
     ``fp8_f16`` math. ``fp8_mma`` (MXFP8 weights whose shapes fit, ``fits_fp8_mma``): then the
-    fp8 tensor-core tile sets too."""
+    weight-row tile sets of ``moe_fp8_mma`` too (with ``f16`` also their f16-dequantise form)."""
     base = _shared_candidates(num_tokens)
     out = base + [replace(c, fp8_f16=True) for c in base] if f16 else list(base)
-    return out + _mma_candidates(num_tokens) if fp8_mma else out
+    return out + _mma_candidates(num_tokens, f16) if fp8_mma else out
 
 
-def _mma_candidates(num_tokens: int) -> list[MoEConfig]:
-    """fp8 tensor-core tile sets, decode steps only: an expert's pairs fit one 16-pair tile,
-    and splitting K adds programs where few experts have pairs (decode 1: one expert and the
-    shared one). The H200 measured (kernels alone, us): T=1 55.0 with K split in 4 (77.1 on
-    the best dequantising set), T=32 / 64 within 1-3% of it; 128-row tiles and 6 stages were
-    slower at every T, and at T=1054 the best tensor-core set took 768 us against 725, so
-    prefill steps are not offered any (each candidate costs compile and tuning time at start)."""
+def _mma_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
+    """Weight-row tile sets (``moe_fp8_mma``). The e4m3 tensor-core ones at decode steps only:
+    an expert's pairs fit one 16-pair tile, and splitting K adds programs where few experts
+    have pairs (decode 1: one expert and the shared one). The H200 measured (kernels alone,
+    us): T=1 55.0 with K split in 4 (77.1 on the best dequantising set), T=32 / 64 within 1-3%
+    of it; 128-row tiles and 6 stages were slower at every T, and at T=1054 the best
+    tensor-core set took 768 us against 725, so prefill steps are not offered any (each
+    candidate costs compile and tuning time at start).
+
+    ``f16`` (scales within ``F16_SCALE_EXPONENTS``): at prefill sizes one set of the f16
+    form (``mma_f16``: 64 weight rows, 64-pair tiles, 3 stages), the fastest MXFP8 MoE the
+    H200 measured at T=1054 (666 us against 726 for the best dequantising set; bf16 weights
+    558). At decode sizes the f16 form ran as fast as the others but not faster (T=1 59.6 vs
+    55.3 us, T=32 172.9 vs 168.7, T=64 324.9 vs 319.0; benchmarks/results/mxfp8_round4/), so
+    it is not offered there."""
     if num_tokens > _DECODE_MAX_TOKENS:
-        return []
+        return [MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3)] if f16 else []
     return [MoEConfig(fp8_mma=True, mma_block_n=64, mma_block_t=16, mma_split=split, mma_num_stages=4)
             for split in (1, 2, 4)]
 
@@ -631,7 +647,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
     if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
-                            sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages)
+                            sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
+                            cfg.mma_f16)
     else:
         y = _experts_dequant(x, topk_w, w13, w2, shared_gate_up, shared_down, alpha, limit, cfg, scales, d, off,
                              sorted_pairs)[None]

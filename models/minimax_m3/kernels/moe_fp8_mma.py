@@ -1,4 +1,5 @@
-"""The fused MoE's two GEMMs on MXFP8 weights with fp8 tensor-core dots (``MoEConfig.fp8_mma``).
+"""The fused MoE's two GEMMs on MXFP8 weights in weight-row tiles (``MoEConfig.fp8_mma``): with
+fp8 tensor-core dots, or (``mma_f16``) with the weights dequantised as wgmma's register operand.
 
 The other MXFP8 paths of ``moe`` dequantise every weight in registers before a bf16 / f16 dot.
 An H200 profile (ncu, decode 32, 10 experts) showed that path short of issue slots and of warps:
@@ -17,18 +18,28 @@ prefill; the tuner picks per step size. What the decode limit is not (H200, BENC
 128-byte row segments at 3.9 TB/s, a tiled copy at 4.0) and the wait between the hi and lo dots
 (one K = 64 dot with the parts stacked, the weight block read twice, was 14-35% slower, as were
 128-row tiles over two warpgroups). Left: one fresh product per 32 columns, waited for before
-its scaling, in each program's serial chain.
+its scaling, in each program's serial chain: a plain kernel doing only that per-block scaling
+streams at ~2.5 TB/s whatever the scale layout (``benchmarks/bench_fp8_stream.py``).
+
+The f16 form (``mma_f16``, ``_dequant_rows``) keeps the tiles and drops that chain: each weight
+tile is dequantised to f16 in registers, in the layout wgmma takes its first operand from, and
+one K = 128 dot per step accumulates in place against f16 rows (x, then the activation, in f16;
+no row split). The H200 measured it the fastest MXFP8 MoE at prefill sizes (T=1054: 666 vs 726
+us for the best dequantising set) and level with the others at decode; its own limit is the
+dequantise plus the scale words read one per weight row per step (a plain kernel: ~3.1 TB/s
+without scales, 2.1-2.9 with them in the checkpoint's row-major layout, 3.2 step-major).
 
 Launches, after ``moe_align`` (same sorted pairs as the other paths):
 
-1. ``split_rows``: x ``[T, H]`` -> ``xq [2, T, H]`` e4m3 and ``fx [T]`` (``2**-e``).
+1. ``split_rows``: x ``[T, H]`` -> ``xq [2, T, H]`` e4m3 and ``fx [T]`` (``2**-e``); the f16 form
+   converts x to f16 instead.
 2. ``_moe_mma_gate_up_kernel``, grid ``(E + 1, max(2I, 2Is) / BLOCK_N, split)``: the pre-activations
    ``h[s, pos, n] = fx * sum_k W13[n, k] xq[tok(pos), k]`` over K-range ``s`` of H, fp32.
    Gate and up rows are separate N-tiles (twice the programs of a fused tile, so one expert at
    decode 1 still spreads over ~100 programs); the split over H adds programs where there are
    few pairs.
 3. ``_moe_swiglu_split_kernel``, one program per sorted pair: sums the splits, SwiGLU-OAI in fp32,
-   splits the activation row like x (``aq [2, P + T, I]``, ``fa``).
+   splits the activation row like x (``aq [2, P + T, I]``, ``fa``), or stores it in f16.
 4. ``_moe_mma_down_kernel``, grid ``(E + 1, H / BLOCK_N, split)``: ``y[s, pos, h] = w_pair * fa *
    sum_k W2[h, k] aq[pos, k]`` over K-range ``s`` of I (Is for the shared expert).
 5. ``moe``'s combine kernel sums the splits and the pairs in a fixed order.
@@ -109,9 +120,11 @@ def split_rows(v: Tensor) -> tuple[Tensor, Tensor]:
 
 @triton.jit
 def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, stride_aq_part, stride_aq, fa_ptr,
-                         I, IS, alpha, limit, E: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                         I, IS, alpha, limit, E: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                         F16: tl.constexpr = False):
     """Sorted pair ``r``: ``act = SwiGLU-OAI(sum_s h[s, r, :N], sum_s h[s, r, N:2N])`` (N = I for
-    a routed pair, Is for a shared one), split like x into ``aq[:, r]`` and ``fa[r]``."""
+    a routed pair, Is for a shared one), split like x into ``aq[:, r]`` and ``fa[r]``, or with
+    ``F16`` stored as f16 in ``aq[0, r]`` (``fa`` unused)."""
     r = tl.program_id(0)
     n_routed = tl.load(off_ptr + E)
     if r < tl.load(off_ptr + E + 1):
@@ -127,17 +140,22 @@ def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, s
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         a = tl.where(ok, g * tl.sigmoid(alpha * g) * (u + 1.0), 0.0)
-        _store_split_row(a, r, c, ok, aq_ptr, stride_aq_part, stride_aq, fa_ptr)
+        if F16:
+            tl.store(aq_ptr + r.to(tl.int64) * stride_aq + c, a.to(tl.float16), mask=ok)
+        else:
+            _store_split_row(a, r, c, ok, aq_ptr, stride_aq_part, stride_aq, fa_ptr)
 
 
-def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, limit: float) -> tuple[Tensor, Tensor]:
+def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, limit: float,
+                 f16: bool = False) -> tuple[Tensor, Tensor]:
     """The activations of the gate/up pre-activations ``h [split, P + T, 2 * max(I, Is)]``:
-    ``aq [2, P + T, max(I, Is)]`` e4m3 and ``fa [P + T]`` (rows past ``off[E + 1]`` untouched)."""
+    ``aq [2, P + T, max(I, Is)]`` e4m3 and ``fa [P + T]`` (rows past ``off[E + 1]`` untouched),
+    or with ``f16`` ``aq [1, P + T, max(I, Is)]`` f16 (``fa`` unused)."""
     S, R, _ = h.shape
     width = max(I, Is)
-    aq = torch.empty(2, R, width, dtype=torch.float8_e4m3fn, device=h.device)
+    aq = torch.empty(1 if f16 else 2, R, width, dtype=torch.float16 if f16 else torch.float8_e4m3fn, device=h.device)
     fa = torch.empty(R, dtype=torch.float32, device=h.device)
-    if interpreting():  # torch: the interpreter's e4m3 cast is wrong (module docstring)
+    if interpreting() and not f16:  # torch: the interpreter's e4m3 cast is wrong (module docstring)
         n_routed, n_all = int(off[E]), int(off[E + 1])
         hs = h.sum(0)
         aq.zero_()
@@ -151,7 +169,7 @@ def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, 
         return aq, fa
     block = next_pow2(width)
     _moe_swiglu_split_kernel[(R,)](h, h.stride(0), h.stride(1), off, aq, aq.stride(0), aq.stride(1), fa, I, Is,
-                               float(alpha), float(limit), E=E, SPLIT=S, BLOCK=block,
+                               float(alpha), float(limit), E=E, SPLIT=S, BLOCK=block, F16=f16,
                                num_warps=8 if block >= 4096 else 4)
     return aq, fa
 
@@ -195,9 +213,66 @@ def _mma_rows(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N
 
 
 @triton.jit
+def _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_T] = sum_{k in [k_beg, k_end)} (W[n, k] * scale[n, k // 32]) * B[k, t]``
+    with the weights dequantised to f16 in registers: ``w_base [BLOCK_N, 128]`` points at each
+    weight row's first 128 columns, ``s_base [BLOCK_N, 1]`` at its int32 scale words, ``b_base
+    [128, BLOCK_T]`` at each f16 B column's first 128 entries; ``b_ok [1, BLOCK_T]`` masks the B
+    columns. ``k_beg`` a multiple of ``MMA_BLOCK_K``.
+
+    The dequantised tile is the dot's first operand, which wgmma takes from registers: no trip
+    back through shared memory, and one f16 dot of K = 128 per step, accumulated in place (the
+    e4m3 path needs a fresh product per 32 columns, waited for and scaled). Exact: every
+    weight times its E8M0 scale is an f16 where the scales fit (``moe.scales_fit_f16``).
+    """
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    blk = tl.arange(0, 4)[None, :]
+    for k0 in range(k_beg, k_end, 128):
+        # [BLOCK_N, 4]: each block's byte from the row's word, loaded once per block rather than
+        # once per row and shifted: so loaded, the factors take the layout the dot wants for the
+        # weights and the dequantise runs in it (a loaded word broadcast over the blocks made
+        # Triton dequantise in another layout and convert through shared memory, with a barrier)
+        words = tl.load(s_base + k0 // 128 + blk // 4)
+        f = scale_factor((words >> (8 * blk)) & 0xFF, True)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, 4, 32)), (BLOCK_N, 128))
+        w = tl.load(w_base + k0).to(tl.float16) * f
+        b = tl.load(b_base + k0, mask=b_ok, other=0.0)
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, b, acc)
+    return acc
+
+
+@triton.jit
+def _rows_product(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N: tl.constexpr,
+                  BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr):
+    """``W @ B`` over ``[k_beg, k_end)`` for a program's weight rows: f16 dequantise (``F16``,
+    ``_dequant_rows``: bases 128 columns wide) or e4m3 dots on the two-part B (``_mma_rows``:
+    bases 32 columns wide); ``_k_cols`` gives the width."""
+    if F16:
+        acc = _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N, BLOCK_T, DOT_F32)
+    else:
+        acc = _mma_rows(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N, BLOCK_T, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _k_cols(F16: tl.constexpr):
+    """Column offsets of the bases ``_rows_product`` takes: 128 (``F16``) or 32 wide."""
+    if F16:
+        kk = tl.arange(0, 128)
+    else:
+        kk = tl.arange(0, 32)
+    return kk
+
+
+@triton.jit
 def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn, s_ptr, stride_sn, sorted_ptr,
                    h_ptr, stride_h_split, stride_h, start, end, N, TK, H, k_per_split,
-                   K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+                   K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr,
+                   F16: tl.constexpr):
     """N-tile ``j % n_tiles`` of one expert's ``N`` gate/up rows over the pair tiles of
     ``[start, end)`` that fall to this program (an expert with fewer N-tiles than the grid
     hands its spare programs pair tiles, as in ``moe._gate_up_tiles``)."""
@@ -208,7 +283,7 @@ def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn
     m_lo = tl.where(grp < groups, start + grp * BLOCK_T, end)
     offs_n = (j % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ld = offs_n % N  # a partial last tile re-reads valid rows (discarded) instead of masking
-    kk = tl.arange(0, 32)
+    kk = _k_cols(F16)
     k_beg = tl.multiple_of(tl.program_id(2) * k_per_split, 128)
     k_end = tl.minimum(H, k_beg + k_per_split)
     w_base = w_ptr + n_ld[:, None].to(tl.int64) * stride_wn + kk[None, :]
@@ -220,9 +295,10 @@ def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn
         pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
         tok = tl.where(pair < TK, pair // K, pair - TK)
         b_base = xq_ptr + tok[None, :].to(tl.int64) * stride_xq_t + kk[:, None]
-        acc = _mma_rows(w_base, s_base, b_base, stride_xq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
-                        DOT_F32)
-        acc = acc * tl.load(fx_ptr + tok, mask=r_ok, other=0.0)[None, :]
+        acc = _rows_product(w_base, s_base, b_base, stride_xq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
+                            DOT_F32, F16)
+        if not F16:  # undo the row split's scale
+            acc = acc * tl.load(fx_ptr + tok, mask=r_ok, other=0.0)[None, :]
         tl.store(h_base + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None], acc,
                  mask=r_ok[None, :] & (offs_n < N)[:, None])
 
@@ -233,7 +309,7 @@ def _moe_mma_gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
                     sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
                     sorted_ptr, off_ptr, h_ptr, stride_h_split, stride_h, T, H, I, IS, k_per_split,
                     K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    DOT_F32: tl.constexpr, F16: tl.constexpr = False):
     """``h[s, pos, n]`` for expert ``program_id(0)`` (``E``: the shared expert)."""
     e = tl.program_id(0)
     start = tl.load(off_ptr + e)
@@ -242,11 +318,11 @@ def _moe_mma_gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
         _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w13_ptr + e.to(tl.int64) * stride_w13_e,
                        stride_w13_n, s13_ptr + e.to(tl.int64) * stride_s13_e, stride_s13_n, sorted_ptr, h_ptr,
                        stride_h_split, stride_h, start, end, 2 * I, T * K, H, k_per_split, K, BLOCK_N, BLOCK_T,
-                       DOT_F32)
+                       DOT_F32, F16)
     else:
         _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
                        sorted_ptr, h_ptr, stride_h_split, stride_h, start, end, 2 * IS, T * K, H, k_per_split, K,
-                       BLOCK_N, BLOCK_T, DOT_F32)
+                       BLOCK_N, BLOCK_T, DOT_F32, F16)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -255,7 +331,7 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                  sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h,
                  topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y_split, stride_y, T, H, I, IS, k_per_split,
                  K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+                 DOT_F32: tl.constexpr, F16: tl.constexpr = False):
     """``y[s, pos, h] = w_pair * fa[pos] * sum_k W2_e[h, k] aq[pos, k]`` over K-range ``s`` of
     the expert's I (Is for the shared expert, whose pairs weigh 1), one H-tile."""
     e = tl.program_id(0)
@@ -266,7 +342,7 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                                                          stride_ssd_h)
     offs_h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ld = offs_h % H
-    kk = tl.arange(0, 32)
+    kk = _k_cols(F16)
     k_beg = tl.multiple_of(tl.program_id(2) * k_per_split, 128)
     k_end = tl.minimum(KD, k_beg + k_per_split)  # may be empty (the shared expert's short K): zeros
     w_base = w_ptr + h_ld[:, None].to(tl.int64) * stride_wh + kk[None, :]
@@ -279,9 +355,11 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
         is_routed = pair < TK
         wt = tl.where(is_routed, tl.load(topk_w_ptr + pair, mask=r_ok & is_routed, other=0.0), 1.0)
         b_base = aq_ptr + rows.to(tl.int64)[None, :] * stride_aq + kk[:, None]
-        acc = _mma_rows(w_base, s_base, b_base, stride_aq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
-                        DOT_F32)
-        acc = acc * (wt * tl.load(fa_ptr + rows, mask=r_ok, other=0.0))[None, :]
+        acc = _rows_product(w_base, s_base, b_base, stride_aq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
+                            DOT_F32, F16)
+        if not F16:  # undo the row split's scale
+            wt = wt * tl.load(fa_ptr + rows, mask=r_ok, other=0.0)
+        acc = acc * wt[None, :]
         tl.store(y_ptr + tl.program_id(2) * stride_y_split + rows.to(tl.int64)[None, :] * stride_y + offs_h[:, None],
                  acc, mask=r_ok[None, :] & (offs_h < H)[:, None])
 
@@ -293,10 +371,13 @@ def _k_per_split(k: int, split: int) -> int:
 
 def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
                     scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
-                    sorted_pairs: Tensor, K: int, block_n: int, block_t: int, split: int, num_stages: int) -> Tensor:
+                    sorted_pairs: Tensor, K: int, block_n: int, block_t: int, split: int, num_stages: int,
+                    f16: bool = False) -> Tensor:
     """The per-pair expert outputs ``y [split, P + T, H]`` fp32 (weighted, splits unsummed) of the
     sorted pairs ``(off, sorted_pairs)`` of ``moe_align``; ``moe.fused_moe`` combines them.
-    Shapes as ``moe.fused_moe``'s (checked there), fitting ``fits_fp8_mma``."""
+    Shapes as ``moe.fused_moe``'s (checked there), fitting ``fits_fp8_mma``. ``f16``: the
+    weights dequantised to f16 in registers against f16 rows (``_dequant_rows``; scales within
+    ``moe.scales_fit_f16``), instead of e4m3 dots on two-part rows."""
     T, H = x.shape
     E, I = w13.shape[0], w13.shape[1] // 2
     Is = shared_gate_up.shape[0] // 2
@@ -304,7 +385,10 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
     dev = x.device
     dot_f32 = interpreting()
     s13, s2, ssgu, ssd = (scale_words(s) for s in scales)
-    xq, fx = split_rows(x)
+    if f16:
+        xq, fx = x.to(torch.float16)[None], x  # fx unread
+    else:
+        xq, fx = split_rows(x)
     width = max(I, Is)
     h = torch.empty(split, P + T, 2 * width, dtype=torch.float32, device=dev)
     _moe_mma_gate_up_kernel[(E + 1, triton.cdiv(2 * width, block_n), split)](
@@ -312,15 +396,15 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0),
         sorted_pairs, off, h, h.stride(0), h.stride(1), T, H, I, Is, _k_per_split(H, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, num_warps=4, num_stages=num_stages)
-    aq, fa = swiglu_split(h, off, E, I, Is, alpha, limit)
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=4, num_stages=num_stages)
+    aq, fa = swiglu_split(h, off, E, I, Is, alpha, limit, f16)
     y = torch.empty(split, P + T, H, dtype=torch.float32, device=dev)
     _moe_mma_down_kernel[(E + 1, triton.cdiv(H, block_n), split)](
         aq, aq.stride(0), aq.stride(1), fa,
         w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0),
         topk_w, sorted_pairs, off, y, y.stride(0), y.stride(1), T, H, I, Is, _k_per_split(width, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, num_warps=4, num_stages=num_stages)
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=4, num_stages=num_stages)
     return y
 
 
