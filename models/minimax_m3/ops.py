@@ -207,9 +207,6 @@ class FusedMoE:
         # model -> the MXFP8 candidate families its weights allow (f16, fp8_mma): read once
         self._fits: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, bool]] = weakref.WeakKeyDictionary()
         self._configs: dict[int, object] = {}  # token count -> the validated MoEConfig
-        # Configs that passed validation at some token count: the kernels take the count at run
-        # time, so an eager step of another count may run one without a probe of its own.
-        self._validated: set[object] = set()
 
     def route(self, moe: BlockSparseMoE, x: torch.Tensor,
               num_real_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,18 +261,26 @@ class FusedMoE:
         """Choose the MoE configuration for ``num_tokens`` rows: every candidate runs on a probe
         (random hidden states routed by the first MoE layer's own router and weights) and is
         compared with the torch reference; ``extra`` adds candidates (tests inject bad ones).
-        ``tune=False`` validates the default configuration alone (no timing): for row counts no
-        graph has, which a serving loop meets by the hundred and must not autotune mid-run; the
-        default is then validated once, not once per count: a count whose default passed at
-        another count (the prebuild validates every candidate of its graph sizes) takes it with
-        no probe, since a probe run, the reference and their host sync would stall the step."""
+        ``tune=False``: row counts no graph has, which a serving loop meets by the hundred and
+        must not probe mid-run (a probe run, the reference and their host sync would stall the
+        step). Such a count takes the configuration chosen for the nearest count of its kind
+        (decode-sized or prefill-sized tiles, as ``default_moe_config`` tells them apart): the
+        smallest chosen count above it, else the largest below; the kernels take the count at
+        run time, so a configuration validated at one count serves another. Only a count with
+        no chosen count of its kind validates the default alone (no timing), once: the
+        counts after it take that. (Taking the default wherever it had passed missed starts
+        that read their choices from the store, which validates only the stored choice.)"""
         from .kernels.moe import default_moe_config, fused_moe_torch, moe_config_candidates
 
         if num_tokens in self._configs:
             return
-        if not tune and default_moe_config(num_tokens) in self._validated:
-            self._configs[num_tokens] = default_moe_config(num_tokens)
-            return
+        if not tune:
+            kind = default_moe_config(num_tokens)
+            chosen = sorted(n for n in self._configs if default_moe_config(n) == kind)
+            if chosen:
+                near = next((n for n in chosen if n > num_tokens), chosen[-1])
+                self._configs[num_tokens] = self._configs[near]
+                return
         probe = self._probe(model, num_tokens)
         if probe is None:
             return
@@ -304,8 +309,6 @@ class FusedMoE:
         name = self.tuner.choose("moe", num_tokens, candidates, reference,
                                  tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature)
         self._configs[num_tokens] = by_name[name]
-        passed = self.tuner.choices[("moe", num_tokens)].timings_us  # the candidates that passed
-        self._validated.update(by_name[n] for n in passed if n in by_name)
 
     def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
         """Launch the router and every candidate configuration for ``num_tokens`` rows once on

@@ -334,26 +334,32 @@ def test_fused_moe_validates_its_configuration_and_rejects_a_corrupt_candidate()
     assert "corrupt" in console.export_text()
 
 
-def test_fused_moe_validates_a_default_once_not_once_per_eager_step_size():
-    """An eager step of a size no graph has runs the default configuration, validated alone. A
-    default that passed at another size is taken with no probe (a probe, the reference and the
-    host sync would stall that step); a default no size has validated yet is probed once."""
-    from models.minimax_m3.kernels.moe import default_moe_config
+def test_fused_moe_validates_once_not_once_per_eager_step_size():
+    """An eager step of a size no graph has takes the configuration chosen for the nearest size
+    of its kind (decode- or prefill-sized tiles) with no probe (a probe, the reference and the
+    host sync would stall that step), even where that choice is not the default; a kind no size
+    has chosen for yet validates its default once."""
+    from models.minimax_m3.kernels.moe import MoEConfig, default_moe_config
 
     r = build_from_preset("tiny", "cpu", torch.float32, producer="triton", max_tokens=80, max_seqs=2, max_seq_len=96)
     ops = r.model.ops
-    ops.moe.choose(r.model, 4)  # a graph size: its candidates validated
-    ops.moe.choose(r.model, 7, tune=False)  # same default config: no probe
-    assert set(ops.tuner.choices) == {("moe", 4)}
-    assert ops.moe._configs[7] == default_moe_config(7) == default_moe_config(4)
+    ops.moe.choose(r.model, 4)  # graph sizes: their candidates validated
+    ops.moe.choose(r.model, 16)
+    stored = MoEConfig(gu_block_n=16)  # as a warm start's stored choice may be: not the default
+    ops.moe._configs[16] = stored
+    ops.moe.choose(r.model, 7, tune=False)  # the next chosen size of its kind: 16
+    ops.moe.choose(r.model, 40, tune=False)  # none above: the largest below
+    ops.moe.choose(r.model, 3, tune=False)
+    assert set(ops.tuner.choices) == {("moe", 4), ("moe", 16)}
+    assert ops.moe._configs[7] == ops.moe._configs[40] == stored and ops.moe._configs[3] == ops.moe._configs[4]
     assert default_moe_config(70) != default_moe_config(4)
-    ops.moe.choose(r.model, 70, tune=False)  # the prefill default: validated on its own probe, once
+    ops.moe.choose(r.model, 70, tune=False)  # no prefill-sized choice yet: its default validated, once
     ops.moe.choose(r.model, 75, tune=False)
-    assert set(ops.tuner.choices) == {("moe", 4), ("moe", 70)}
+    assert set(ops.tuner.choices) == {("moe", 4), ("moe", 16), ("moe", 70)}
     assert ops.moe._configs[75] == default_moe_config(70)
     r.add_request("a")
     r.step([TokenChunk("a", 0, list(range(1, 76)))])  # unpadded eager at 75 rows: nothing new validated
-    assert set(ops.tuner.choices) == {("moe", 4), ("moe", 70)}
+    assert set(ops.tuner.choices) == {("moe", 4), ("moe", 16), ("moe", 70)}
 
 
 def test_runner_lists_the_kernel_choices_made_after_its_capture():
