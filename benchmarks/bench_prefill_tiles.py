@@ -10,10 +10,9 @@ eager launches, so host launch gaps count) and the same ops replayed as one CUDA
 (``graph us``: GPU time only; the tiled ops are capturable for a fixed step):
 - ``untiled bt=1``: today's backend for a step of several requests (one token per program);
 - ``tiled``: ``index_topk_prefill_tiled`` / ``sparse_attention_prefill_tiled`` with the
-  default tile sizes (the attention: multi-token tiles, then the one-token requests with
-  ``BLOCK_T = 1``, two launches);
-- sweeps: other tile sizes (``bt=``), the indexer's chunk, and for the attention ``1 launch``
-  (every tile, one-token ones included, through the multi-token program).
+  default tile sizes (the attention: every tile in ``TILE_SPLITS`` programs of one launch,
+  and their merge; ``nsplit=1``: one program per tile);
+- sweeps: other tile sizes (``bt=``) and the indexer's chunk.
 The attention runs on four selections: the indexer's on random data (neighbouring tokens
 pick unrelated blocks: the worst case for tiles) and ``shared8/32/128`` (runs of 8, 32 or 128
 prefill tokens share the run's first token's selection where it sees the same local block,
@@ -183,10 +182,10 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
             tt = tiles(bt)
             label = f"tiled bt={bt}" + (" (default)" if bt == bt_att else "")
             att_row(label, lambda tt=tt, sel=sel: sparse.sparse_attention_prefill_tiled(
-                st.q, st.k, st.v, sel, meta, st.out, st.scale, tt), 2)
+                st.q, st.k, st.v, sel, meta, st.out, st.scale, tt), 2)  # the splits, then their merge
             if bt == bt_att:
-                att_row(f"tiled bt={bt} 1 launch", lambda tt=tt, sel=sel, bt=bt: sparse.sparse_attention_prefill(
-                    st.q, st.k, st.v, sel, meta, st.out, st.scale, block_t=bt, tiles=tt.rows), 1)
+                att_row(f"tiled bt={bt} nsplit=1", lambda tt=tt, sel=sel: sparse.sparse_attention_prefill_tiled(
+                    st.q, st.k, st.v, sel, meta, st.out, st.scale, tt, 1), 1)
     info = {"tokens": st.T, "decodes": a.decodes, "decode_ctx": a.decode_ctx, "chunk": a.chunk,
             "chunk_start": a.chunk_start, "plan_host_us": plan_us, "tiles_indexer": len(t_idx.rows),
             "tiles_attention": len(tiles(bt_att).rows), "block_t_indexer": bt_idx, "block_t_attention": bt_att}

@@ -13,8 +13,9 @@ One kernel, ``_attn_kernel``, grid (token tile, kv group, split):
   mostly pick the same blocks, reads each block once (``BLOCK_T`` tokens per program);
 - dense mode (``DENSE``, one token per program) visits blocks ``0 .. p // B``: the fallback
   for dense layers until a faster dense backend is used;
-- with ``NSPLIT > 1`` (decode) each program takes a slice of the visits and writes a partial
-  output and its log2-sum-exp; ``_merge_kernel`` combines the slices.
+- with ``NSPLIT > 1`` (decode, and tiles of a tiled prefill) each program takes a slice of the
+  visits (tiles: of the selection columns) and writes a partial output and its log2-sum-exp;
+  ``_merge_kernel`` combines the slices of every row some split program wrote.
 The token tiles are the fixed grid of ``tile * BLOCK_T`` rows, or (``TILED``) an explicit list
 of ``(start, end)`` row ranges, one per program: :mod:`attention.kernels.tiles` builds
 request-aligned ones (a tile straddling unrelated requests shares nothing and walks both
@@ -167,7 +168,7 @@ def _attn_kernel(
         e = tl.arange(0, NE)
         flat_p = tl.reshape(page_t, [NE])
         flat_b = tl.reshape(blk_t, [NE])
-        scr = scratch_ptr + (tile * tl.num_programs(1) + g).to(tl.int64) * (3 * NE)
+        scr = scratch_ptr + ((tile * tl.num_programs(1) + g) * NSPLIT + sp).to(tl.int64) * (3 * NE)
         tl.store(scr + e, flat_p)
         tl.debug_barrier()  # the raw ids are read back by other threads of the program
         seen = tl.zeros([NE], tl.int32)
@@ -232,8 +233,9 @@ def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
         l = l * alpha + w
         m = m_new
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    # l == 0: no split wrote this row (a real row always sees its own key): not the merge's
     tl.store(out_ptr + t.to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (d[None, :] < D))
+             o.to(out_ptr.dtype.element_ty), mask=(ok & (l > 0))[:, None] & (d[None, :] < D))
 
 
 def _check(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, out: Tensor, page_size: int, T: int) -> None:
@@ -257,8 +259,7 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
     ``cdiv(T, block_t)`` token tiles, or with ``tiles`` (``int32 [n, 2]``, checked by the
     caller) one program per ``(start, end)`` row range."""
     check_device("sparse attention", q, k_cache_l, out, *([] if tiles is None else [tiles]))
-    assert block_t == 1 or (nsplit == 1 and not dense), "splits and dense mode take one token per program"
-    assert tiles is None or nsplit == 1, "the split merge runs over all rows < T, not over tiles"
+    assert block_t == 1 or not dense, "dense mode takes one token per program"
     programs = triton.cdiv(T, block_t) if tiles is None else tiles.shape[0]
     if T == 0 or programs == 0:
         return
@@ -269,7 +270,9 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
     block_d = pad_dim(D)
     if nsplit > 1:
         po = torch.empty((T, Hq, nsplit, block_d), dtype=torch.float32, device=q.device)
-        plse = torch.empty((T, Hq, nsplit), dtype=torch.float32, device=q.device)
+        # -inf: rows no split program covers (tiles: the one-token requests, written directly
+        # by their own launch) have nothing to merge, and the merge leaves them alone
+        plse = torch.full((T, Hq, nsplit), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         po = plse = out  # unused
     sel_t = sel if sel is not None else meta.block_tables  # any int32 tensor: unused in dense mode
@@ -277,7 +280,7 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
     k_pad = max(2, next_pow2(topk))
     bt_pad = max(next_pow2(block_t), triton.cdiv(16, k_pad))  # >= 16 (token, k) entries: the union's compares
     # multi-token tiles: per program, the raw page ids and the union's pages and blocks
-    scratch = (torch.empty(programs * Hkv * 3 * bt_pad * k_pad, dtype=torch.int32, device=q.device)
+    scratch = (torch.empty(programs * Hkv * nsplit * 3 * bt_pad * k_pad, dtype=torch.int32, device=q.device)
                if block_t > 1 else buf.token_seq)
     _attn_kernel[(programs, Hkv, nsplit)](
         q, q.stride(0), q.stride(1),
@@ -291,7 +294,9 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         BLOCK_N=pad_dim(meta.page_size), BLOCK_D=block_d, NSPLIT=nsplit, DENSE=dense,
         DOT_F32=interpreting() or q.dtype == torch.float32,  # interpreter bf16 dot is wrong; fp32: no tf32
         TILED=tiles is not None, BT_PAD=bt_pad,
-        num_warps=4 if block_m <= 64 else 8, num_stages=2,
+        # split tiles: one stage, so two programs share an SM (80 KB of shared memory each, 148
+        # at two stages) and every split of a chunk's tiles runs at once
+        num_warps=4 if block_m <= 64 else 8, num_stages=1 if block_t > 1 and nsplit > 1 else 2,
     )
     if nsplit > 1:
         _merge_kernel[(T, Hkv)](po, plse, buf.slot_mapping, out, out.stride(0), out.stride(1),
@@ -363,26 +368,34 @@ def sparse_attention_prefill(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, to
     _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, block_t, 1, topk_idx.shape[2], False, tiles)
 
 
+# Programs per tile of a tiled prefill, each over its share of the selection columns (a fixed
+# count: one build serves every step).
+TILE_SPLITS = 2
+
+
 def sparse_attention_prefill_tiled(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, topk_idx: Tensor,
-                                   meta: AttentionMetadata, out: Tensor, scale: float, tiles: StepTiles) -> None:
+                                   meta: AttentionMetadata, out: Tensor, scale: float, tiles: StepTiles,
+                                   nsplit: int = TILE_SPLITS) -> None:
     """:func:`sparse_attention_prefill` over a step's request-aligned tiles (same outputs).
 
-    Two launches: the multi-token requests' tiles with ``BLOCK_T = tiles.block_t`` (each
-    block selected by several tokens of a tile is loaded once), then the one-token requests
-    with ``BLOCK_T = 1`` (the branch-free, pipelined per-token path; in the multi-token
-    program a one-row tile would still run the per-visit dedup checks and the unpipelined
-    ``if page >= 0`` loop). One launch of every tile through the multi-token program is
-    ``sparse_attention_prefill(..., block_t=tiles.block_t, tiles=tiles.rows)``. (A single
-    launch branching to the per-token loop for one-row tiles compiled, for Hopper at G = 8,
-    to 144 KiB of shared memory, both paths' buffers: one program per SM; not kept.)
+    One launch of every tile, the one-token requests' included, through the multi-token program
+    (``BLOCK_T = tiles.block_t``: a block selected by several tokens of a tile is loaded once),
+    ``nsplit`` programs per tile over slices of the selection columns, then the split merge.
+    Measured on the H200 (3 decodes + a 1024-token chunk, BENCHMARKS.md "Long context"): the
+    one-token requests in a launch of their own after the tiles (the pipelined per-token path)
+    made a serial tail, 36 us at 64K and 128K, longer than what their 64-row programs waste
+    running beside the tiles; and one program per tile ran one wave of one 148 KB program per
+    SM, the widest tile's walk over its blocks setting the time, where two splits of 80 KB share
+    an SM (one pipeline stage each).
 
     Args:
         q, k_cache_l, v_cache_l, topk_idx, meta, out, scale: as :func:`sparse_attention_prefill`.
         tiles: this step's :class:`StepTiles` (planned from ``meta.qo_indptr_host``).
+        nsplit: programs per tile (default :data:`TILE_SPLITS`; at most the selection's width).
 
     Raises:
-        ValueError: as :func:`sparse_attention_prefill`, or ``tiles`` planned for another
-            token count.
+        ValueError: as :func:`sparse_attention_prefill`, ``tiles`` planned for another token
+            count, or ``nsplit < 1``.
     """
     T = meta.num_tokens
     _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
@@ -390,13 +403,16 @@ def sparse_attention_prefill_tiled(q: Tensor, k_cache_l: Tensor, v_cache_l: Tens
     if not isinstance(tiles, StepTiles) or tiles.num_tokens != T:
         raise ValueError(f"tiles must be the StepTiles of this step ({T} tokens), got "
                          f"{getattr(tiles, 'num_tokens', type(tiles))} tokens")
+    if nsplit < 1:
+        raise ValueError(f"nsplit must be >= 1, got {nsplit}")
     check_tile_rows(tiles.rows, tiles.block_t, T)
     topk = topk_idx.shape[2]
     if tiles.block_t == 1:  # every tile is one token: one launch of the per-token path
         _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, 1, topk, False, tiles.rows)
         return
-    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, tiles.block_t, 1, topk, False, tiles.multi)
-    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, 1, topk, False, tiles.single)
+    bps = triton.cdiv(topk, min(nsplit, topk))
+    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, tiles.block_t, triton.cdiv(topk, bps), bps, False,
+            tiles.rows)
 
 
 PREFILL_DENSE_SPLITS = 16  # programs per (token, kv head) of the fallback's prefill steps
@@ -428,6 +444,7 @@ def dense_attention_triton(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, meta
 
 
 __all__ = [
+    "TILE_SPLITS",
     "decode_splits",
     "default_block_t",
     "dense_attention_triton",

@@ -208,6 +208,23 @@ def test_tiled_sparse_matches_reference_and_untiled(name, block_t):
     assert rel_err(out[: sc.T], untiled[: sc.T].float()) < 1e-5
 
 
+@pytest.mark.parametrize("nsplit", [1, 3, 5])
+def test_tiled_sparse_splits_merge_only_the_tiles_rows(nsplit):
+    """Every split count of the multi-token tiles (one program per tile; one per selection
+    column; more asked than there are columns) gives the untiled result, and the split merge
+    leaves the one-token requests' rows (their own launch) and the rows past T alone."""
+    sc = Scenario(MIXED, hq=4, hkv=2, d=16, bs=4, topk=3, seed=31 + nsplit)
+    sel = sc.ref_selection()
+    untiled = sc.poisoned_out()
+    sparse_triton.sparse_attention_prefill(sc.q, sc.k, sc.v, sel, sc.meta, untiled, sc.scale, block_t=1)
+    out = sc.poisoned_out()
+    sparse_triton.sparse_attention_prefill_tiled(sc.q, sc.k, sc.v, sel, sc.meta, out, sc.scale, sc.tiles(3), nsplit)
+    assert out[sc.T :].isnan().all()
+    assert rel_err(out[: sc.T], untiled[: sc.T].float()) < 1e-5
+    with pytest.raises(ValueError, match="nsplit must be >= 1"):
+        sparse_triton.sparse_attention_prefill_tiled(sc.q, sc.k, sc.v, sel, sc.meta, out, sc.scale, sc.tiles(3), 0)
+
+
 def test_tiled_bf16_mixed_step():
     """bf16 caches and queries (fp32 accumulation), shared prefill selections, both kernels."""
     sc = Scenario(MIXED, hq=6, hkv=2, d=32, bs=8, topk=4, seed=7, dtype=torch.bfloat16)
@@ -278,19 +295,22 @@ def _partial(bt, h, chunk, tiled):
     return ["attention.kernels.indexer", "_partial_kernel", c, IDX_PTRS, [], 4 if bm <= 64 else 8, 3]
 
 
-def _attn(bt, g, tiled):
+def _attn(bt, g, tiled, nsplit=1, stages=2):
     bm = max(16, 1 << (bt * g - 1).bit_length())
     c = {"G": g, "D": 128, "TOPK": 16, "K_PAD": 16, "BLOCK_T": bt, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_D": 128,
-         "NSPLIT": 1, "DENSE": False, "DOT_F32": False, "TILED": tiled, "BT_PAD": 1 << (bt - 1).bit_length()}
-    return ["attention.kernels.sparse", "_attn_kernel", c, ATTN_PTRS, ["qk_scale"], 4 if bm <= 64 else 8, 2]
+         "NSPLIT": nsplit, "DENSE": False, "DOT_F32": False, "TILED": tiled, "BT_PAD": 1 << (bt - 1).bit_length()}
+    return ["attention.kernels.sparse", "_attn_kernel", c, ATTN_PTRS, ["qk_scale"], 4 if bm <= 64 else 8, stages]
 
 
 def test_tiled_kernels_compile_for_hopper():
     """Rank-of-8 (1 index head, G = 8) and full-model (4 index heads, G = 16) tiles, tiled and
     untiled at the same shapes (the untiled twin shows what the tile loads cost)."""
     cases = [_partial(16, 1, 8, True), _partial(16, 1, 8, False), _partial(1, 1, 8, True), _partial(16, 4, 64, True),
-             _attn(8, 8, True), _attn(8, 8, False), _attn(1, 8, True), _attn(4, 16, True)]
+             _attn(8, 8, True), _attn(8, 8, False), _attn(1, 8, True), _attn(4, 16, True),
+             _attn(8, 8, True, sparse_triton.TILE_SPLITS, 1)]  # as sparse_attention_prefill_tiled launches it
     reports = run_compile_reports(cases)
+    split = reports[8]  # two split programs share an SM: shared memory and registers for both
+    assert 2 * split["shared"] <= 227 * 1024 and 2 * split["regs"] * 128 <= 65536, split
     for case, rep in zip(cases, reports):
         print(case[1], {k: case[2][k] for k in ("BLOCK_T", "BLOCK_M", "TILED")}, rep)
     assert reports[3]["wgmma"] and reports[4]["wgmma"], "the 64-row tiles should use Hopper wgmma"
