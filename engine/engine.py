@@ -25,6 +25,7 @@ import torch
 
 from steps import TokenChunk, TokenFeed
 
+from .gc_pauses import timeline
 from .protocol import StepRunner
 from .request import Request, RequestState, Status
 from .sampling import Sampler
@@ -59,6 +60,9 @@ class StepRecord:
     admitted: int = 0  # requests admitted by the engine step that launched this one
     context: int = 0  # end position of the step's longest-reaching prompt chunk (0: decodes only)
     compiles: int = 0  # kernel compiles while the runner launched it (each stalled the step)
+    launch_ms: float = 0.0  # host time from composing its inputs to its last launch
+    gc_ms: float = 0.0  # garbage collection since the previous completion (inside this step's wall)
+    gc_full: int = 0  # of which full (generation 2) collections
 
     @property
     def kind(self) -> str:
@@ -125,6 +129,8 @@ class Engine:
         before = runner.compiles_after_capture()  # an earlier engine's compiles are not this one's
         self.stats.counting_compiles = before is not None
         self._compiles_from = len(before or ())
+        self._gc = timeline()
+        self._last_done = time.perf_counter()  # the GC record's clock, whatever ``clock`` is
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: Request) -> RequestState:
@@ -202,6 +208,7 @@ class Engine:
         return ended
 
     def _launch(self, chunks: list[ScheduledChunk], ended: list[RequestState]) -> _Launched | None:
+        t_start = self.clock()
         prev = self._inflight
         token_chunks, feed_rows, feed_src, row = [], [], [], 0
         for c in chunks:
@@ -237,8 +244,10 @@ class Engine:
             rest = [c for c in chunks if c.state.id not in bad]
             return self._launch(rest, ended) if rest else None
         context = max((tc.end_pos for c, tc in zip(chunks, token_chunks) if not c.state.prompt_done), default=0)
-        record = StepRecord(self._next_id, row, len(chunks), sum(c.state.prompt_done for c in chunks), self.clock(),
-                            checked=check, context=context, compiles=self._new_compiles())
+        t_launch = self.clock()
+        record = StepRecord(self._next_id, row, len(chunks), sum(c.state.prompt_done for c in chunks), t_launch,
+                            checked=check, context=context, compiles=self._new_compiles(),
+                            launch_ms=1e3 * (t_launch - t_start))
         self._next_id += 1
         params = [c.state.request.sampling for c in chunks]
         tokens = self.sampler.sample(logits, params, [c.state.scheduled for c in chunks])
@@ -283,6 +292,10 @@ class Engine:
         tokens = launched.host.tolist()
         now = self.clock()
         launched.record.t_done = now
+        done = time.perf_counter()
+        launched.record.gc_ms = self._gc.ms_between(self._last_done, done)
+        launched.record.gc_full = sum(p.generation == 2 for p in self._gc.between(self._last_done, done))
+        self._last_done = done
         if launched.record.checked:
             self.stats.checked_steps += 1
             if not torch.equal(launched.logits, launched.reference):

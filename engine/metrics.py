@@ -88,7 +88,9 @@ def chunk_step_figures(engine: Engine, context_bin: int | None = None, min_steps
         med = _pct(walls, 0.5)
         rows.append({"context_from": b * width, "context_to": (b + 1) * width, "steps": len(items),
                      "median_ms": med, "worst_ms": worst, "ratio": worst / med if med > 0 else float("nan"),
-                     "worst_step": worst_step.step_id, "worst_context": worst_step.context})
+                     "worst_step": worst_step.step_id, "worst_context": worst_step.context,
+                     "worst_tokens": worst_step.num_tokens, "worst_decodes": worst_step.num_decodes,
+                     "worst_launch_ms": worst_step.launch_ms, "worst_gc_ms": worst_step.gc_ms})
     ranked = [r for r in rows if r["steps"] >= min_steps]
     top = max(ranked, key=lambda r: r["ratio"], default=None)
     all_walls = [ms for items in bins.values() for _, ms in items]
@@ -116,12 +118,33 @@ def compile_figures(engine: Engine) -> dict[str, Any]:
             "compile_steps": [s.step_id for s in engine.stats.steps if s.compiles]}
 
 
+def gc_figures(engine: Engine) -> dict[str, Any]:
+    """Garbage collection inside the engine's steps (``StepRecord.gc_ms``): total and largest
+    ms, full collections, steps that held more than 5 ms of it."""
+    steps = engine.stats.steps
+    return {"gc_ms_total": sum(s.gc_ms for s in steps), "gc_ms_max": max((s.gc_ms for s in steps), default=0.0),
+            "gc_full_collections": sum(s.gc_full for s in steps),
+            "gc_steps_over_5ms": sum(s.gc_ms > 5.0 for s in steps)}
+
+
+def step_log(engine: Engine) -> list[list]:
+    """Every step after the first completed one as a row of ``STEP_LOG_COLUMNS``."""
+    return [[s.step_id, s.kind, s.num_tokens, s.num_decodes, s.context, round(ms, 3), round(s.launch_ms, 3),
+             round(s.gc_ms, 3), s.gc_full, s.admitted, s.compiles] for s, ms in _step_walls(engine)]
+
+
+STEP_LOG_COLUMNS = ("step", "kind", "tokens", "decodes", "context", "wall_ms", "launch_ms", "gc_ms", "gc_full",
+                    "admitted", "compiles")
+
+
 def summarize(engine: Engine, wall_s: float, context_bin: int | None = None) -> dict[str, Any]:
     """Request, step, chunk-step (``context_bin``: see ``chunk_step_figures``) and compile
     figures plus total output tok/s over ``wall_s``."""
     req = request_figures(engine.states.values())
     return {**req, "wall_s": wall_s, "total_tok_s": req["output_tokens"] / wall_s if wall_s > 0 else float("nan"),
-            **step_figures(engine), **chunk_step_figures(engine, context_bin), **compile_figures(engine)}
+            **step_figures(engine), **chunk_step_figures(engine, context_bin), **compile_figures(engine),
+            **gc_figures(engine)}
 
 
-__all__ = ["chunk_step_figures", "compile_figures", "request_figures", "step_figures", "summarize"]
+__all__ = ["STEP_LOG_COLUMNS", "chunk_step_figures", "compile_figures", "gc_figures", "request_figures",
+           "step_figures", "step_log", "summarize"]

@@ -29,7 +29,9 @@ It adds chunk-step times (median and worst of the steps holding a prompt chunk, 
 bins of 8 chunks, and worst / median), Triton compiles after capture (builds and disk-cache
 loads, with the kernels: each stalled every request of its step; the count should be 0), the
 KV pages (peak used and claimed, the cache, its capacity in tokens) and the most requests
-running at once. On a GPU the cache is sized to the memory left beside the weights
+running at once, and the garbage collector's time inside steps, and in the JSON a log of
+every step (its host launch time among the columns) and the CUDA allocator's device
+allocations while serving. On a GPU the cache is sized to the memory left beside the weights
 (``--kv-headroom-gib`` kept for the rest): what does not fit is said before the run, and the
 run shows it as fewer requests admitted. Compiles are counted per process: a kernel an earlier
 run built is in memory for the later ones, so run one mode alone for its cold count.
@@ -56,6 +58,7 @@ from rich.table import Table
 
 from distributed import group_for_tp
 from engine import (
+    STEP_LOG_COLUMNS,
     Engine,
     EngineConfig,
     SamplingParams,
@@ -63,6 +66,7 @@ from engine import (
     compile_figures,
     make_requests,
     serve,
+    step_log,
     summarize,
 )
 from graphcap import CaptureConfig
@@ -152,6 +156,13 @@ def bucket_figures(runner: ModelRunner, before: dict) -> dict:
             "dropped": sorted(str(k) for k, b in st.buckets.items() if b.status == "dropped")}
 
 
+def device_allocs() -> tuple[int, int]:
+    """The CUDA caching allocator's device allocations (cudaMalloc) and retries (a full free of
+    its cache, then cudaMalloc again) so far: either inside a serving step stalls it."""
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
+
 def hits_snapshot(runner: ModelRunner) -> dict:
     return {k: (b.hits, b.real_tokens, b.padded_tokens) for k, b in runner.manager.stats.buckets.items()}
 
@@ -178,12 +189,14 @@ def run_mode(base: ModelRunner, mode: str, audit_every: int, env: CaptureConfig,
     engine = Engine(runner, config)
     profiler = None
     peak = {"kv_pages_peak_used": 0, "kv_pages_peak_claimed": 0, "peak_running": 0, "kv_bound_steps": 0}
+    allocs: list[list[int]] = []  # [steps launched, cudaMalloc calls, allocator retries] whenever they grew
+    last_allocs = device_allocs() if cuda else None
 
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"{mode:>18}", total=len(requests))
 
         def on_step(eng: Engine, ended) -> None:
-            nonlocal profiler
+            nonlocal profiler, last_allocs
             bar.advance(task, len(ended))
             running = sum(not s.stopped for s in eng.running)
             peak["kv_pages_peak_used"] = max(peak["kv_pages_peak_used"], runner.num_pages - runner.num_free_pages)
@@ -192,6 +205,9 @@ def run_mode(base: ModelRunner, mode: str, audit_every: int, env: CaptureConfig,
             # Requests waited while a slot was free: only the KV pages held them back.
             peak["kv_bound_steps"] += bool(eng.waiting) and running < args.concurrency
             n = len(eng.stats.steps)
+            if cuda and (now := device_allocs()) != last_allocs:
+                allocs.append([n, now[0] - last_allocs[0], now[1] - last_allocs[1]])
+                last_allocs = now
             if trace and n == args.trace_start:
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                                   + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
@@ -211,6 +227,8 @@ def run_mode(base: ModelRunner, mode: str, audit_every: int, env: CaptureConfig,
            **bucket_figures(runner, before), **peak, **compile_events(runner, warm, engine)}
     choices = runner.kernel_choices_after_capture() or []
     out.update(warmup_kernel_choices=warm_choices, kernel_choices=[c for c in choices if c not in warm_choices])
+    out["step_log"] = step_log(engine)
+    out["device_allocs"] = allocs
     kv = runner.cache.config
     out.update(kv_pages=runner.num_pages, kv_capacity_tokens=runner.num_pages * runner.page_size,
                kv_cache_dtype=str(kv.dtype).removeprefix("torch."),
@@ -276,6 +294,8 @@ def table(results: list[dict]) -> Table:
     t.add_row("chunk steps (p50 / worst ms)", *[f"{r['chunk_steps']} ({r['chunk_step_ms_p50']:.1f} / "
                                                  f"{r['chunk_step_ms_max']:.1f})" for r in results])
     t.add_row("worst / p50, same context", *[same_context(r["chunk_step_worst_bin"]) for r in results])
+    t.add_row("GC in steps ms (max; full)",
+              *[f"{r['gc_ms_total']:.0f} ({r['gc_ms_max']:.1f}; {r['gc_full_collections']})" for r in results])
     t.add_row("compiles after capture (disk)", *[f"{r['compiles_after_capture']} ({r['disk_loads_after_capture']})"
                                                   + (f" +{r['warmup_compiles']} ({r['warmup_disk_loads']}) warm-up"
                                                      if r["warmup_compiles"] or r["warmup_disk_loads"] else "")
@@ -297,10 +317,12 @@ def table(results: list[dict]) -> Table:
 
 
 def same_context(b: dict | None) -> str:
-    """A table cell: the context bin with the largest worst / median chunk step."""
+    """A table cell: the context bin with the largest worst / median chunk step, and the worst
+    step's host launch time (an eager step is host-bound: a slow launch is a slow step)."""
     if not b:
         return "-"
-    return f"{b['ratio']:.2f}x ({b['worst_ms']:.1f} / {b['median_ms']:.1f} ms at <= {short(b['context_to'])})"
+    return (f"{b['ratio']:.2f}x ({b['worst_ms']:.1f} / {b['median_ms']:.1f} ms at <= {short(b['context_to'])}; "
+            f"launch {b['worst_launch_ms']:.1f} ms)")
 
 
 def short(tokens: int) -> str:
@@ -496,7 +518,7 @@ def main() -> None:
         if not args.json or rank != 0:
             return
         meta = dict(vars(args), layers=layers, gpu=torch.cuda.get_device_name() if cuda else None,
-                    expert_spread=spread.as_dict() if spread else None,
+                    expert_spread=spread.as_dict() if spread else None, step_log_columns=STEP_LOG_COLUMNS,
                     kv_budgets={f"{w} {kv}": dict(dataclasses.asdict(b), tokens=b.tokens, fits=b.fits,
                                                   longest_requests=b.longest_requests)
                                 for (w, kv), b in budgets.items()})
@@ -534,7 +556,8 @@ def main() -> None:
                           f"{r['ttft_s_p50']:.3f} s, {r['steps']} steps in {r['wall_s']:.1f} s, "
                           f"{r['compiles_after_capture']} compiles and {len(r['kernel_choices'])} kernel validations "
                           f"after capture, worst chunk step / p50 "
-                          f"{same_context(r['chunk_step_worst_bin'])}")
+                          f"{same_context(r['chunk_step_worst_bin'])}, GC in steps {r['gc_ms_total']:.0f} ms "
+                          f"(largest {r['gc_ms_max']:.1f} ms, {r['gc_full_collections']} full)")
             write_json(results)  # after every run: a run cut short by a time box keeps the finished ones
     console.print(table(results))
     for r, first in against_first:
