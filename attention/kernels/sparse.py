@@ -270,8 +270,8 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
     block_d = pad_dim(D)
     if nsplit > 1:
         po = torch.empty((T, Hq, nsplit, block_d), dtype=torch.float32, device=q.device)
-        # -inf: rows no split program covers (tiles: the one-token requests, written directly
-        # by their own launch) have nothing to merge, and the merge leaves them alone
+        # -inf: rows no split program covers (rows outside the given tiles) have nothing to
+        # merge, and the merge leaves them unwritten, as the unsplit kernel does
         plse = torch.full((T, Hq, nsplit), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         po = plse = out  # unused

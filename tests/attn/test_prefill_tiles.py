@@ -209,10 +209,10 @@ def test_tiled_sparse_matches_reference_and_untiled(name, block_t):
 
 
 @pytest.mark.parametrize("nsplit", [1, 3, 5])
-def test_tiled_sparse_splits_merge_only_the_tiles_rows(nsplit):
-    """Every split count of the multi-token tiles (one program per tile; one per selection
-    column; more asked than there are columns) gives the untiled result, and the split merge
-    leaves the one-token requests' rows (their own launch) and the rows past T alone."""
+def test_tiled_sparse_splits_give_the_untiled_result(nsplit):
+    """Every split count of the tiles (one program per tile; one per selection column; more
+    asked than there are columns) gives the untiled result, the one-token requests' rows
+    included, and leaves the rows past T alone."""
     sc = Scenario(MIXED, hq=4, hkv=2, d=16, bs=4, topk=3, seed=31 + nsplit)
     sel = sc.ref_selection()
     untiled = sc.poisoned_out()
