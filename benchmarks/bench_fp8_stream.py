@@ -29,6 +29,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from timing import Timer
 
 from models.minimax_m3.kernels.fp8_tiles import scale_factor
 
@@ -106,13 +107,8 @@ def _e4m3_blocks_kernel(w_ptr, s_ptr, b_ptr, out_ptr, K, stride_sr, stride_sk, T
 
 
 def graph_us(calls, n: int) -> float:
-    """Median microseconds per call of ``calls`` (``n`` launches) replayed as one CUDA graph."""
-    calls()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    return 1e3 * triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median") / n
+    """Median microseconds per launch of ``calls`` (``n`` launches) replayed as one CUDA graph."""
+    return Timer(False, 50, 300).graph(calls) / n
 
 
 def stream_rows(N: int, K: int, BT: int, ws: list[torch.Tensor]) -> list[dict]:
