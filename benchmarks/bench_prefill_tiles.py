@@ -149,7 +149,7 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
     bt_idx = indexer.tile_block_t(d.num_kv_heads)
     t_idx = tiles(bt_idx)
     idx_row(f"tiled (bt={bt_idx}, chunk {indexer.TILED_CHUNK}, default)",
-            lambda: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx), 3)
+            lambda: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx), 2)
     sweeps = ((bt_idx, 4), (bt_idx, 2), (bt_idx, 8), (bt_idx, 32), (bt_idx // 2, None), (bt_idx // 8, None),
               (bt_idx * 2, None))
     for bt, chunk in sweeps:
@@ -158,7 +158,7 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
         tt = tiles(bt)
         idx_row(f"tiled bt={bt} chunk={chunk or indexer.TILED_CHUNK}",
                 lambda tt=tt, chunk=chunk: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, tt,
-                                                                            chunk), 3)
+                                                                            chunk), 2)
     indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx)
     patterns = [(st.sel, "indexer")] + [(st.shared_selection(r, d.block), f"shared{r}") for r in (8, 32, 128)]
 

@@ -10,9 +10,9 @@ Two kernels, used the same way by prefill and decode:
 1. ``_partial_kernel`` over (token tile, chunk of ``CHUNK`` key blocks): scores of the tile's
    rows (token x index head) against the chunk's blocks, then each row's best ``KP`` blocks
    of the chunk, as packed int64 keys (below), into a scratch ``[T, H, NC, KP]``.
-   Programs of one token (decode rows, and the one-token requests of a prefill step) run
-   ``_row_partial_kernel`` instead: the same candidates from a dot with the keys as its rows
-   (a single query would otherwise be padded to a 64-row tile).
+   Programs of one token run the same candidates from a dot with the keys as its rows (a
+   single query would otherwise be padded to a 64-row tile): decode rows in
+   ``_row_partial_kernel``, a prefill step's one-row tiles in the tile launch's one-token branch.
 2. ``_merge_kernel`` over (token, head): the best ``topk - 1`` of the ``NC * KP`` candidates,
    then the local block, then ``-1``.
 
@@ -72,28 +72,16 @@ def _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, 
     return tl.dot(q, tl.trans(kt.to(q.dtype)))
 
 
-# Runtime counts that change from step to step are not specialised (as 1 or 16-divisible), and
-# the tile rows (views at any offset of the planner's buffer) not on alignment: one build
-# serves every prefill step, so none compiles mid-serving.
-@triton.jit(do_not_specialize=["T", "NC"], do_not_specialize_on_alignment=["tiles_ptr"])
-def _partial_kernel(
-    iq_ptr, stride_iq_t, stride_iq_h,
-    ik_ptr, stride_ik_p, stride_ik_s,
-    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
-    part_ptr, T, page_size, NC, tiles_ptr,
-    HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
-    DOT_F32: tl.constexpr, TILED: tl.constexpr = False, FULL_PAGE: tl.constexpr = False,
-    FP8_DOT: tl.constexpr = False,
+@triton.jit
+def _tile_candidates(
+    iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s,
+    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, t_lo, t_hi, c,
+    HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FULL_PAGE: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    c = tl.program_id(1)
-    if TILED:  # an explicit (start, end) row range per program, end - start <= BLOCK_T
-        t_lo = tl.load(tiles_ptr + 2 * tile).to(tl.int32)
-        t_hi = tl.load(tiles_ptr + 2 * tile + 1).to(tl.int32)
-    else:
-        t_lo = tile * BLOCK_T
-        t_hi = T
+    """The candidates of token rows ``[t_lo, t_hi)`` (at most ``BLOCK_T``) in chunk ``c``:
+    ``[BLOCK_M = tokens x index heads, keys]`` dots, the tile's queries as the rows."""
     r = tl.arange(0, BLOCK_M)
     tok = t_lo + r // HIDX
     head = r % HIDX
@@ -118,8 +106,8 @@ def _partial_kernel(
             q, q_lo, _ = fp8_split_rows(q)  # a row's scores are compared only with each other: 2**e stays
         cols = tl.arange(0, CHUNK)
         S = tl.full([BLOCK_M, CHUNK], float("-inf"), tl.float32)
-        # Rows of one tile may belong to several sequences (tiles straddle request boundaries):
-        # visit each sequence present, against its own pages.
+        # Rows of one tile may belong to several sequences (tiles straddle requests in the
+        # fixed grid): visit each sequence present, against its own pages.
         s_lo = tl.min(tl.where(row_ok, seq, 2147483647), axis=0)
         s_hi = tl.max(tl.where(row_ok, seq, -1), axis=0)
         for s in range(s_lo, s_hi + 1):
@@ -157,36 +145,26 @@ def _partial_kernel(
                 keys = tl.where(keys == best[:, None], -9223372036854775807, keys)
 
 
-# The token and its chunk index are runtime values (any batch, any context: one build), the
-# listed rows a view at any offset (as the partial kernel's tiles).
-@triton.jit(do_not_specialize=["NC"], do_not_specialize_on_alignment=["rows_ptr"])
-def _row_partial_kernel(
-    iq_ptr, stride_iq_t, stride_iq_h,
-    ik_ptr, stride_ik_p, stride_ik_s,
-    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
-    part_ptr, page_size, NC, rows_ptr,
+@triton.jit
+def _row_candidates(
+    iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s,
+    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, tok, c,
     HIDX: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
-    LISTED: tl.constexpr = False,
 ):
-    """``_partial_kernel`` for one token per program (decode rows): the same candidates, from a
-    dot with the block's keys as its rows, ``[BLOCK_N keys, D] x [D, HP]`` (the token's index
-    heads, padded to ``HP >= 16``), where the query-rows form would pad one token to a 64-row
-    tile. At 64 rows the padding is 64x the tensor-core work of the real row, which at fp8 costs
-    as long as streaming the keys does; here it is at most 16x, and the bytes set the time.
+    """The candidates of the one token row ``tok`` in chunk ``c``, from a dot with the block's
+    keys as its rows, ``[BLOCK_N keys, D] x [D, HP]`` (the token's index heads, padded to
+    ``HP >= 16``), where the query-rows form would pad one token to a 64-row tile. At 64 rows
+    the padding is 64x the tensor-core work of the real row, which at fp8 costs as long as
+    streaming the keys does; here it is at most 16x, and the bytes set the time.
 
-    Program ``(i, c)``: token ``i`` (or ``rows_ptr[2 i]`` when ``LISTED``), chunk ``c``. Only
-    blocks before the token's local block are scored: they hold no key past its position (no
-    causal mask), and the merge forces the local block in.
-    """
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    tok = tl.load(rows_ptr + 2 * i).to(tl.int32) if LISTED else i
+    Only blocks before the token's local block are scored: they hold no key past its position
+    (no causal mask), and the merge forces the local block in. A padded row (slot -1) and
+    chunks past the local block (decode launches at block-table capacity) write nothing: the
+    merge reads neither."""
     slot = tl.load(slot_ptr + tok)
     local = tl.load(pos_ptr + tok).to(tl.int32) // page_size
     b0 = c * CHUNK
-    # A padded row (slot -1) and chunks past the local block (decode launches at block-table
-    # capacity) write nothing: the merge reads neither.
     if (slot >= 0) & (b0 <= local):
         h = tl.arange(0, HP)
         d = tl.arange(0, BLOCK_D)
@@ -223,6 +201,60 @@ def _row_partial_kernel(
                 best = tl.max(keys, axis=0)
                 tl.store(out + k, best, mask=h < HIDX)
                 keys = tl.where(keys == best[None, :], -9223372036854775807, keys)
+
+
+# Runtime counts that change from step to step are not specialised (as 1 or 16-divisible), and
+# the tile rows (views at any offset of the planner's buffer) not on alignment: one build
+# serves every prefill step, so none compiles mid-serving.
+@triton.jit(do_not_specialize=["T", "NC"], do_not_specialize_on_alignment=["tiles_ptr"])
+def _partial_kernel(
+    iq_ptr, stride_iq_t, stride_iq_h,
+    ik_ptr, stride_ik_p, stride_ik_s,
+    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
+    part_ptr, T, page_size, NC, tiles_ptr,
+    HIDX: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
+    DOT_F32: tl.constexpr, TILED: tl.constexpr = False, FULL_PAGE: tl.constexpr = False,
+    FP8_DOT: tl.constexpr = False, HP: tl.constexpr = 16,
+):
+    """Program ``(tile, c)``: the candidates of a tile's rows in chunk ``c``. A ``TILED`` tile
+    of one row takes the one-token form (:func:`_row_candidates`, ``HP`` its padded heads), so
+    a step's one-token requests run in the same launch as its multi-token tiles rather than
+    after them (a serial tail: 20 us at 64K for 3 decodes on the H200)."""
+    tile = tl.program_id(0)
+    c = tl.program_id(1)
+    if TILED:  # an explicit (start, end) row range per program, end - start <= BLOCK_T
+        t_lo = tl.load(tiles_ptr + 2 * tile).to(tl.int32)
+        t_hi = tl.load(tiles_ptr + 2 * tile + 1).to(tl.int32)
+        if t_hi - t_lo == 1:
+            _row_candidates(iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s, bt_ptr, stride_bt,
+                            table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, t_lo, c,
+                            HIDX, DI, HP, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FP8_DOT)
+        else:
+            _tile_candidates(iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s, bt_ptr, stride_bt,
+                             table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, t_lo, t_hi,
+                             c, HIDX, DI, BLOCK_T, BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FULL_PAGE, FP8_DOT)
+    else:
+        _tile_candidates(iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s, bt_ptr, stride_bt,
+                         table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, tile * BLOCK_T,
+                         T, c, HIDX, DI, BLOCK_T, BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FULL_PAGE, FP8_DOT)
+
+
+# The chunk count is a runtime value (any context: one build).
+@triton.jit(do_not_specialize=["NC"])
+def _row_partial_kernel(
+    iq_ptr, stride_iq_t, stride_iq_h,
+    ik_ptr, stride_ik_p, stride_ik_s,
+    bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
+    part_ptr, page_size, NC,
+    HIDX: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    """``_partial_kernel`` for one token per program (decode rows): program ``(i, c)`` is token
+    ``i`` in chunk ``c`` (:func:`_row_candidates`)."""
+    _row_candidates(iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s, bt_ptr, stride_bt,
+                    table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, tl.program_id(0),
+                    tl.program_id(1), HIDX, DI, HP, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FP8_DOT)
 
 
 @triton.jit
@@ -310,15 +342,13 @@ ROW_CONFIG = {"num_warps": 4, "num_stages": 3}
 
 
 def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
-            num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None, keep_all: bool = False,
-            single_tiles: Tensor | None = None) -> None:
+            num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None, keep_all: bool = False) -> None:
     """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row.
 
     The partial kernel runs the fixed grid of ``cdiv(T, block_t)`` token tiles (one token per
-    program: ``_row_partial_kernel``), or with
-    ``tiles`` (``int32 [n, 2]``, checked by the caller) one program per ``(start, end)`` row
-    range, and with ``single_tiles`` a second launch of one-row tiles at ``BLOCK_T = 1``;
-    together they must cover every row ``< T``: the merge reads every row's candidates.
+    program: ``_row_partial_kernel``), or with ``tiles`` (``int32 [n, 2]``, checked by the
+    caller) one program per ``(start, end)`` row range, one-row ranges in the one-token form;
+    the tiles must cover every row ``< T``: the merge reads every row's candidates.
     ``keep_all``: the partial kernel keeps every block of its chunk as a candidate
     (``KP = chunk``, no partial selection: small chunks at long context).
     """
@@ -326,8 +356,7 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     if chunk < 1 or chunk & (chunk - 1) or block_t < 1:
         raise ValueError(f"chunk must be a power of two and block_t >= 1, got chunk={chunk}, block_t={block_t}")
     programs = triton.cdiv(T, block_t) if tiles is None else tiles.shape[0]
-    singles = 0 if single_tiles is None else single_tiles.shape[0]
-    if T == 0 or programs + singles == 0:
+    if T == 0 or programs == 0:
         return
     buf, H, Di = meta.buffers, iq.shape[1], iq.shape[2]
     nc = triton.cdiv(max(num_blocks, 1), chunk)
@@ -336,29 +365,21 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     # fp32 dots: the interpreter's bf16 dot is wrong, and fp32 inputs should not drop to tf32
     dot_f32 = interpreting() or iq.dtype == torch.float32
     fp8_dot = not dot_f32 and index_k_l.dtype == torch.float8_e4m3fn
-    for bt, n, rows in ((block_t, programs, tiles), (1, singles, single_tiles)):
-        if n == 0:
-            continue
-        if bt == 1:  # one token per program: its keys are the dot's rows
-            _row_partial_kernel[(n, nc)](
-                iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
-                meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
-                buf.slot_mapping, part, meta.page_size, nc, buf.token_seq if rows is None else rows,
-                HIDX=H, DI=Di, HP=pad_dim(H), BLOCK_N=pad_dim(meta.page_size), BLOCK_D=pad_dim(Di), CHUNK=chunk,
-                KP=kp, DOT_F32=dot_f32, FP8_DOT=fp8_dot, LISTED=rows is not None, **ROW_CONFIG,
-            )
-            continue
+    common = dict(HIDX=H, DI=Di, BLOCK_N=pad_dim(meta.page_size), BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp,
+                  DOT_F32=dot_f32, FP8_DOT=fp8_dot)
+    args = (iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
+            meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
+            buf.slot_mapping, part)
+    if tiles is None and block_t == 1:  # one token per program: its keys are the dot's rows
+        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, HP=pad_dim(H), **common, **ROW_CONFIG)
+    else:
         # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
         # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad the tile to 64.
-        block_m = pad_dim(bt * H, 64 if fp8_dot else 16)
-        _partial_kernel[(n, nc)](
-            iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
-            meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
-            buf.slot_mapping, part, T, meta.page_size, nc, buf.token_seq if rows is None else rows,
-            HIDX=H, DI=Di, BLOCK_T=bt, BLOCK_M=block_m, BLOCK_N=pad_dim(meta.page_size),
-            BLOCK_D=pad_dim(Di), CHUNK=chunk, KP=kp, DOT_F32=dot_f32, TILED=rows is not None,
-            FULL_PAGE=meta.page_size == pad_dim(meta.page_size), FP8_DOT=fp8_dot,
-            num_warps=4 if block_m <= 64 else 8, num_stages=3,
+        block_m = pad_dim(block_t * H, 64 if fp8_dot else 16)
+        _partial_kernel[(programs, nc)](
+            *args, T, meta.page_size, nc, buf.token_seq if tiles is None else tiles, BLOCK_T=block_t,
+            BLOCK_M=block_m, TILED=tiles is not None, FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
+            HP=pad_dim(H), **common, num_warps=4 if block_m <= 64 else 8, num_stages=3,
         )
     block_c = merge_piece(nc * kp, stable=keep_all)
     _merge_kernel[(T, H)](
@@ -465,9 +486,9 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
     """:func:`index_topk_prefill` over a step's request-aligned tiles (same outputs).
 
     The multi-token requests' tiles run ``tiles.block_t`` tokens per program (plan them with
-    :func:`tile_block_t`), sharing every index-K tile they load; the one-token requests run a
-    second partial launch at ``BLOCK_T = 1`` (a one-row program in a 128-row tile would
-    multiply 127 empty rows per block). Every block of a partial program's chunk
+    :func:`tile_block_t`), sharing every index-K tile they load; the one-token requests' tiles
+    run in the same launch in the one-token form (a one-row program in a 64-row tile would
+    multiply 63 empty rows per block). Every block of a partial program's chunk
     (:data:`TILED_CHUNK`) is kept as a candidate, and one merge over all rows streams them:
     at long context the partial selection's ``topk - 1`` passes over ``[rows, chunk]`` keys
     cost more than the dots, and fixed sizes mean no new build as contexts grow.
@@ -490,8 +511,7 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
     bt = tiles.block_t
     check_tile_rows(tiles.rows, bt, T)
     num_blocks = triton.cdiv(meta.max_kv_len, meta.page_size)
-    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, bt, chunk or TILED_CHUNK, tiles.multi, keep_all=True,
-            single_tiles=tiles.single)
+    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, bt, chunk or TILED_CHUNK, tiles.rows, keep_all=True)
 
 
 __all__ = ["TILED_CHUNK", "decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill",

@@ -291,7 +291,7 @@ ATTN_PTRS = {"sel_ptr": "i32", "bt_ptr": "i32", "table_rows_ptr": "i32", "token_
 def _partial(bt, h, chunk, tiled):
     bm = max(16, 1 << (bt * h - 1).bit_length())
     c = {"HIDX": h, "DI": 128, "BLOCK_T": bt, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_D": 128, "CHUNK": chunk,
-         "KP": min(15, chunk), "DOT_F32": False, "TILED": tiled, "FP8_DOT": False}
+         "KP": min(15, chunk), "DOT_F32": False, "TILED": tiled, "FP8_DOT": False, "HP": max(16, h)}
     return ["attention.kernels.indexer", "_partial_kernel", c, IDX_PTRS, [], 4 if bm <= 64 else 8, 3]
 
 
@@ -304,8 +304,11 @@ def _attn(bt, g, tiled, nsplit=1, stages=2):
 
 def test_tiled_kernels_compile_for_hopper():
     """Rank-of-8 (1 index head, G = 8) and full-model (4 index heads, G = 16) tiles, tiled and
-    untiled at the same shapes (the untiled twin shows what the tile loads cost)."""
-    cases = [_partial(16, 1, 8, True), _partial(16, 1, 8, False), _partial(1, 1, 8, True), _partial(16, 4, 64, True),
+    untiled at the same shapes (the untiled twin shows what the tile loads cost, and for the
+    indexer what its one-token branch costs: nothing at the 64-row tiles it runs with)."""
+    bt_idx = indexer_triton.tile_block_t(1)
+    cases = [_partial(bt_idx, 1, 8, True), _partial(bt_idx, 1, 8, False), _partial(1, 1, 8, True),
+             _partial(16, 4, 64, True),
              _attn(8, 8, True), _attn(8, 8, False), _attn(1, 8, True), _attn(4, 16, True),
              _attn(8, 8, True, sparse_triton.TILE_SPLITS, 1)]  # as sparse_attention_prefill_tiled launches it
     reports = run_compile_reports(cases)
