@@ -10,9 +10,9 @@ tile stays inside one request, so the kernels can instead take an explicit tile 
 - ``multi``: the requests with more than one query token, cut into tiles of at most
   ``block_t`` consecutive rows that never cross a request boundary (launched with
   ``BLOCK_T = block_t``);
-- ``single``: the one-token requests, one row per tile (the indexer scores them in its
-  one-token kernel, whose dot takes the keys as rows; the attention runs them in its one
-  launch of every tile, ``rows``).
+- ``single``: the one-token requests, one row per tile (both kernels run every tile,
+  ``rows``, in one launch; the indexer scores a one-row tile in its one-token form, whose dot
+  takes the keys as rows).
 
 :func:`prefill_tiles` builds both on the host in O(tiles + requests) (NumPy, never a walk
 over the tokens); :class:`TilePlanner` copies them into one persistent device buffer per
