@@ -25,7 +25,7 @@ import torch
 
 from steps import TokenChunk, TokenFeed
 
-from .gc_pauses import timeline
+from .gc_pauses import pause_ms, timeline
 from .protocol import StepRunner
 from .request import Request, RequestState, Status
 from .sampling import Sampler
@@ -293,8 +293,9 @@ class Engine:
         now = self.clock()
         launched.record.t_done = now
         done = time.perf_counter()
-        launched.record.gc_ms = self._gc.ms_between(self._last_done, done)
-        launched.record.gc_full = sum(p.generation == 2 for p in self._gc.between(self._last_done, done))
+        pauses = self._gc.between(self._last_done, done)
+        launched.record.gc_ms = pause_ms(pauses, self._last_done, done)
+        launched.record.gc_full = sum(p.generation == 2 for p in pauses)
         self._last_done = done
         if launched.record.checked:
             self.stats.checked_steps += 1

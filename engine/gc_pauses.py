@@ -58,7 +58,12 @@ class GcTimeline:
 
     def ms_between(self, t0: float, t1: float) -> float:
         """Milliseconds of collection inside ``(t0, t1]``."""
-        return 1e3 * sum(min(p.end, t1) - max(p.start, t0) for p in self.between(t0, t1))
+        return pause_ms(self.between(t0, t1), t0, t1)
+
+
+def pause_ms(pauses: list[GcPause], t0: float, t1: float) -> float:
+    """Milliseconds of ``pauses`` (``GcTimeline.between(t0, t1)``) inside ``(t0, t1]``."""
+    return 1e3 * sum(min(p.end, t1) - max(p.start, t0) for p in pauses)
 
 
 _TIMELINE: GcTimeline | None = None
@@ -72,4 +77,4 @@ def timeline() -> GcTimeline:
     return _TIMELINE
 
 
-__all__ = ["GcPause", "GcTimeline", "timeline"]
+__all__ = ["GcPause", "GcTimeline", "pause_ms", "timeline"]
