@@ -14,7 +14,8 @@ rotate over 2 routed weight sets (1.8 GB each) and 8 shared-expert sets.
 Paths: ``fused_moe`` for every ``moe_config_candidates(T)`` entry; with ``--mxfp8`` (on by
 default) also ``fused_moe`` on the same weights quantized to MXFP8 for every
 ``moe_config_candidates(T, f16=True, fp8_mma=True)`` entry (the bf16 shapes, then each with
-the f16 dequantise-and-dot math, "mxfp8 f16", then the fp8 tensor-core tile sets, "mxfp8 mma"),
+the f16 dequantise-and-dot math, "mxfp8 f16", then the fp8 tensor-core tile sets, "mxfp8 mma",
+and at one or two tokens the weight-row sets, "mxfp8 gemv"),
 its floor counting
 fp8 bytes plus a scale byte per 32 and its error taken against fp32 on the dequantised weights;
 the torch reference
@@ -231,7 +232,8 @@ def bench_tokens(T: int, d: Dims, wts: Weights, args: argparse.Namespace, deadli
                 q, sc, _ = wts.fp8[i]
                 return lambda: fused_moe(x, ids, w, *q, ALPHA, LIMIT, out, config=cfg, scales=sc)
 
-            kind = " f16" if cfg.fp8_f16 else " mma f16" if cfg.mma_f16 else " mma" if cfg.fp8_mma else ""
+            kind = (" f16" if cfg.fp8_f16 else " mma f16" if cfg.mma_f16 else " mma" if cfg.fp8_mma
+                    else " gemv" if cfg.gemv else "")
             run("fused_moe mxfp8" + kind, f"cand{ci}" + (" (default)" if ci == 0 else ""),
                 make8, ref8, nbytes8)
 

@@ -1,7 +1,8 @@
 """The projections of an MXFP8 rank-of-8 model: bf16 ``F.linear`` (cuBLAS) vs what
 ``mxfp8.MXFP8Linear`` runs today (dequantise the whole weight, then ``F.linear``) vs the Triton
 kernel that reads fp8 and dequantises in registers (``kernels/fp8_linear.py``, every
-``linear_config_candidates`` entry, the best reported) vs the Triton dequantise kernel + F.linear.
+``linear_config_candidates`` entry and at one or two rows every weight-row form
+``gemv_config_candidates``, the best reported) vs the Triton dequantise kernel + F.linear.
 
 GPU only. Shapes (N, K): qkv of a sparse layer (about 1536 x 6144), o_proj 6144 x 1024, dense MLP
 gate_up 3072 x 6144 and down 6144 x 1536, at T = 1, 8, 32, 64, 1054 rows. Each path is timed by
@@ -27,7 +28,12 @@ SETS, CALLS, REPS = 8, 16, 20
 
 def measure(name: str, n: int, k: int, t: int, sets: list) -> dict:
     """One projection at ``t`` rows: every path's graph-replay us, after the checks."""
-    from models.minimax_m3.kernels.fp8_linear import dequantized_linear, linear_config_candidates, mxfp8_linear
+    from models.minimax_m3.kernels.fp8_linear import (
+        dequantized_linear,
+        gemv_config_candidates,
+        linear_config_candidates,
+        mxfp8_linear,
+    )
     from models.minimax_m3.mxfp8 import dequantize_mxfp8
 
     x = torch.randn(t, k, device="cuda").bfloat16()
@@ -44,7 +50,7 @@ def measure(name: str, n: int, k: int, t: int, sets: list) -> dict:
         "triton dequant + F.linear": lambda i: outs[i].copy_(dequantized_linear(x, sets[i % SETS][0],
                                                                                  sets[i % SETS][1])),
     }
-    cands = linear_config_candidates(t, n, k)
+    cands = linear_config_candidates(t, n, k) + gemv_config_candidates(t, k)
     for ci, cfg in enumerate(cands):
         err_c = ((mxfp8_linear(x, q, s, config=cfg).float() - ref.float()).norm() / ref.float().norm()).item()
         if err_c > 1e-2:

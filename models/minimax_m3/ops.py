@@ -133,10 +133,10 @@ def mlp_triton(mlp: DenseMLP, x: torch.Tensor, linear: Callable[..., torch.Tenso
 
 class FusedLinear:
     """Projections (attention qkv and o_proj, the dense MLP's two): an MXFP8 weight runs the
-    Triton fp8 kernel (``kernels.fp8_linear``, one of its tile candidates) or, at prefill sizes,
-    the Triton dequantise + ``F.linear``, where the tuner validated it against the module's own
-    forward (torch dequantise + ``F.linear``) and timed it fastest; everything else runs the
-    module."""
+    Triton fp8 kernel (``kernels.fp8_linear``: one of its tile candidates or, at one or two
+    rows, its weight-row form) or, at prefill sizes, the Triton dequantise + ``F.linear``,
+    where the tuner validated it against the module's own forward (torch dequantise +
+    ``F.linear``) and timed it fastest; everything else runs the module."""
 
     OP = "mxfp8_linear"
     DEQUANTIZE = "triton dequantise + F.linear"
@@ -166,7 +166,8 @@ class FusedLinear:
         rows (``tune=False``: keep the module's path, no kernel is tried mid-run)."""
         if not tune:
             return
-        from .kernels.fp8_linear import DECODE_MAX_TOKENS, linear_config_candidates
+        from .kernels.fp8_linear import DECODE_MAX_TOKENS, gemv_config_candidates, linear_config_candidates
+        from .kernels.fp8_tiles import scale_words
 
         shapes = {(m.out_features, m.in_features): m for m in model.modules() if isinstance(m, MXFP8Linear)}
         dtype = getattr(model, "dtype", torch.float32)
@@ -176,7 +177,10 @@ class FusedLinear:
                 continue
             gen = torch.Generator(device=mod.weight.device).manual_seed(num_tokens)
             x = torch.randn(num_tokens, k, generator=gen, device=mod.weight.device).to(dtype)
-            choices: dict[str, object] = {f"triton fp8 {c}": c for c in linear_config_candidates(num_tokens, n, k)}
+            configs = linear_config_candidates(num_tokens, n, k)
+            if scale_words(mod.weight_scale_inv) is not None:  # the weight-row form reads scale words
+                configs += gemv_config_candidates(num_tokens, k)
+            choices: dict[str, object] = {f"triton fp8 {c}": c for c in configs}
             if num_tokens > DECODE_MAX_TOKENS:
                 choices[self.DEQUANTIZE] = self.DEQUANTIZE
             candidates = {"dequantise + F.linear": lambda mod=mod, x=x: mod(x)}

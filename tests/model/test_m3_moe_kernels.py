@@ -311,6 +311,26 @@ def test_fp8_mma_kernels_compile_for_hopper():
                and 65536 // (r["regs"] * 128) >= 2 for r in rest), rest
 
 
+def test_gemv_kernels_compile_for_hopper():
+    """The weight-row MoE at the real shapes, one and two pairs a chunk: no tensor cores, every
+    weight and scale-word load streamed through asynchronous copies, no spills."""
+    ptrs = {"x_ptr": "bf16", "act_ptr": "bf16", "w13_ptr": "fp8e4nv", "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv",
+            "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32", "s2_ptr": "i32", "ssd_ptr": "i32",
+            "sorted_ptr": "i32", "off_ptr": "i32", "y_ptr": "fp32", "topk_w_ptr": "fp32"}
+    M = "models.minimax_m3.kernels.moe_gemv"
+    cases = []
+    for tp in (1, 2):
+        for c in moe._gemv_candidates(tp):
+            base = {"K": REAL["K"], "E": REAL["E"], "E_PAD": REAL["E"], "TWO": tp > 1, "BLOCK_N": c.gemv_block_n,
+                    "NUM_STAGES": c.gemv_num_stages}
+            cases += [[M, "_moe_gemv_gate_up_kernel", dict(base, BLOCK_K=c.gemv_block_k), ptrs, ["alpha", "limit"],
+                       c.gemv_num_warps, c.gemv_num_stages],
+                      [M, "_moe_gemv_down_kernel", dict(base, BLOCK_K=c.gemv_block_k, BLOCK_K_SHARED=128), ptrs, [],
+                       c.gemv_num_warps, c.gemv_num_stages]]
+    reports = run_compile_reports(cases)  # shared memory and spills checked there
+    assert all(not r["wgmma"] and r["cp_async"] for r in reports), reports
+
+
 # ---- GPU: real shapes ------------------------------------------------------------------------
 
 
@@ -536,6 +556,50 @@ def test_fp8_mma_candidates_track_the_dequantized_weights(T):
         assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 3e-3), cfg
 
 
+# ---- MXFP8 in the weight-row form (moe_gemv) -----------------------------------------------
+
+@pytest.mark.parametrize("T,hot", [(1, False), (2, False), (2, True), (7, True)], ids=["1", "2", "2-hot", "7-hot"])
+def test_gemv_candidates_match_the_dequantized_weights(T, hot):
+    """The weight-row kernels (no dot, fp32 accumulators) against the torch twin on the
+    dequantised weights: fp32 on CPU, so only the order of the sums differs. ``hot``: one
+    expert holds every token's pair (more pairs than a chunk: its rows are read per chunk),
+    and T = 7 runs the form beyond the two tokens it is offered at."""
+    pb = Problem(T, E=6, seed=120 + T, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, **FP8_EVEN)
+    if hot:
+        pb.ids[:, 0] = 1
+        pb.w[:, 0] = 0.7
+    w8, scales, deq = quantized(pb)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    configs = [c for c in moe.moe_config_candidates(T, fp8_mma=True) if c.gemv]
+    assert bool(configs) == (T <= 2) and not any(c.gemv for c in moe.moe_config_candidates(T))  # fp8 only
+    if DEV == "cpu" or not configs:  # wide row sets: the interpreter runs every program in Python
+        configs = [moe.MoEConfig(gemv=True, gemv_block_n=32, gemv_block_k=128),
+                   moe.MoEConfig(gemv=True, gemv_block_n=16, gemv_block_k=1024, gemv_num_stages=1)]
+    for cfg in configs:
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 1e-5), cfg
+        # the same inputs give the same bits (no atomics, fixed orders)
+        assert torch.equal(out, moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales))
+
+
+def test_gemv_steps_and_refusals():
+    from models.minimax_m3.kernels.moe_gemv import gemv_step
+
+    assert gemv_step(6144, 512) == 512 and gemv_step(384, 512) == 128 and gemv_step(3072, 1024) == 1024
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gemv_step(96, 512)
+    with pytest.raises(ValueError, match="gemv and fp8_mma are two paths"):
+        moe.MoEConfig(gemv=True, fp8_mma=True)
+    with pytest.raises(ValueError, match="gemv_block_n must be a power of two >= 2"):
+        moe.MoEConfig(gemv=True, gemv_block_n=1)
+    pb = Problem(2, E=4, seed=3, dtype=torch.float32, **FP8_SMALL)  # widths of 32-column blocks only
+    w8, scales, _ = quantized(pb)
+    with pytest.raises(ValueError, match="MoEConfig.gemv needs H, I and Is multiples of 128"):
+        moe.fused_moe(pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT, pb.poisoned_out(), config=moe.MoEConfig(gemv=True),
+                      scales=scales)
+
+
 @pytest.mark.parametrize("T", [1, 5, 40, 100])
 def test_fp8_mma_f16_candidates_track_the_dequantized_weights(T):
     """The weight-row tiles with the weights dequantised to f16 in registers (``mma_f16``: x and
@@ -611,7 +675,7 @@ def test_cuda_moe_split_rows_kernel_equals_torch():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T,f16", [(1, False), (32, False), (200, True)])
+@pytest.mark.parametrize("T,f16", [(1, False), (32, False), (200, True), (1, "gemv"), (2, "gemv")])
 def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
     """A captured fp8 weight-row MoE (e4m3 dots, or ``f16`` dequantised) replays bit-identically
     to eager runs of the same inputs, routing and x changed in place between replays (no
@@ -620,7 +684,8 @@ def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
     gen = torch.Generator(device=DEV).manual_seed(T)
     pb.ids, pb.w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
     w8, scales, _ = quantized(pb)
-    cfg = moe._mma_candidates(T, f16)[-1]  # decode: K split in 4, summed by the combine
+    # decode: K split in 4, summed by the combine; or the weight-row form
+    cfg = moe._gemv_candidates(T)[0] if f16 == "gemv" else moe._mma_candidates(T, f16)[-1]
     args = lambda: (pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT)  # noqa: E731
     out = pb.poisoned_out()
     moe.fused_moe(*args(), out, config=cfg, scales=scales)

@@ -11,10 +11,13 @@ from helpers.paged import DEV
 from helpers.triton_compile import run_compile_reports
 
 from models.minimax_m3.kernels.fp8_linear import (
+    GEMV_MAX_TOKENS,
+    GemvConfig,
     LinearConfig,
     default_linear_config,
     dequantize_mxfp8_triton,
     dequantized_linear,
+    gemv_config_candidates,
     linear_config_candidates,
     mxfp8_linear,
     split_plan,
@@ -65,6 +68,36 @@ def test_refusals():
         LinearConfig(block_k=16)
 
 
+@pytest.mark.parametrize("t,n,k,cfg", [
+    (1, 40, 256, GemvConfig(block_n=16, block_k=128)),   # N not a multiple of the row set
+    (2, 24, 512, GemvConfig(block_n=4, block_k=256)),    # two rows, two K steps
+    (2, 8, 1024, GemvConfig(block_n=2, block_k=1024, num_warps=2, num_stages=1)),
+], ids=["one-row", "two-rows", "one-step"])
+def test_weight_row_form_matches_f_linear(t, n, k, cfg):
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    x, q, s, ref = problem(t, n, k, dtype, seed=3 * t + n)
+    out = mxfp8_linear(x, q, s, config=cfg)
+    assert out.dtype == dtype and out.shape == (t, n)
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # each row is computed alone: the two-row launch gives the one-row launch's values
+    assert torch.equal(mxfp8_linear(x[-1:], q, s, config=cfg), out[-1:])
+
+
+def test_weight_row_form_is_offered_only_where_it_runs():
+    assert gemv_config_candidates(1, 6144) and gemv_config_candidates(GEMV_MAX_TOKENS, 1024)
+    assert gemv_config_candidates(GEMV_MAX_TOKENS + 1, 6144) == []
+    assert all(1536 % c.block_k == 0 for c in gemv_config_candidates(1, 1536))  # dense MLP down: K = 1536
+    x, q, s, ref = problem(3, 16, 256, torch.float32)
+    # more rows than it is offered at: correct still (rows two at a time, each pair re-reading w)
+    assert rel_err(mxfp8_linear(x, q, s, config=GemvConfig(block_k=256)), ref) < 1e-5
+    with pytest.raises(ValueError, match="block_k=512: pick a LinearConfig"):
+        mxfp8_linear(x[:1], q, s, config=GemvConfig(block_k=512))  # K = 256: no whole step
+    with pytest.raises(ValueError, match="multiple of 128"):
+        GemvConfig(block_k=64)
+    with pytest.raises(ValueError, match="power of two"):
+        GemvConfig(block_n=6)
+
+
 # rank-of-8 projections (N, K): qkv of a sparse layer (about), o_proj, dense MLP gate_up and down
 REAL = [(1536, 6144), (6144, 1024), (3072, 6144), (6144, 1536)]
 
@@ -80,8 +113,18 @@ def test_kernels_compile_for_hopper():
                 prefill.append(t > 64)
                 cases.append(["models.minimax_m3.kernels.fp8_linear", "_mxfp8_linear_kernel", c, ptrs, [],
                               cfg.num_warps, cfg.num_stages])
+    gemv = []
+    for t in (1, GEMV_MAX_TOKENS):
+        for _, k in REAL[:2]:
+            for cfg in gemv_config_candidates(t, k):
+                c = {"TWO": t > 1, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "NUM_STAGES": cfg.num_stages}
+                gemv.append(len(cases))
+                prefill.append(False)
+                cases.append(["models.minimax_m3.kernels.fp8_linear", "_gemv_linear_kernel", c,
+                              {"w_ptr": "fp8e4nv", "s_ptr": "i32"}, [], cfg.num_warps, cfg.num_stages])
     reports = run_compile_reports(cases)  # shared memory and spills checked there
     assert all(r["wgmma"] for r, p in zip(reports, prefill) if p)  # prefill tiles use warpgroup MMA
+    assert gemv and not any(reports[i]["wgmma"] for i in gemv)  # the weight-row form: no tensor cores
     # Every K loop streams its tiles through asynchronous copies. A first version lost this at
     # decode (the split's K offset had no known alignment, so the loads went one byte at a time,
     # synchronously) and ran slower than bf16 on the H200.
@@ -120,24 +163,26 @@ def test_every_candidate_matches_f_linear(t):
     n, k = 96, 1024
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     x, q, s, ref = problem(t, n, k, dtype, seed=t + 1)
-    for cfg in linear_config_candidates(t, n, k):
+    for cfg in linear_config_candidates(t, n, k) + gemv_config_candidates(t, k):
         assert rel_err(mxfp8_linear(x, q, s, config=cfg), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("t", [1, 8, 32, 64, 1054])
+@pytest.mark.parametrize("t", [1, 2, 8, 32, 64, 1054])
 def test_cuda_real_shapes_and_graph_replay(t):
     for n, k in REAL:
         x, q, s, ref = problem(t, n, k, torch.bfloat16, seed=n + t)
-        for cfg in linear_config_candidates(t, n, k):
+        for cfg in linear_config_candidates(t, n, k) + gemv_config_candidates(t, k):
             assert rel_err(mxfp8_linear(x, q, s, config=cfg), ref) < 1e-2, (n, k, cfg)
         assert rel_err(dequantized_linear(x, q, s), ref) < 1e-2, (n, k)
         out = mxfp8_linear(x, q, s)
         assert rel_err(out, ref) < 1e-2, (n, k)
+        configs = [None] + gemv_config_candidates(t, k)[:1]  # the default, and the weight-row form
+        eager = [mxfp8_linear(x, q, s, config=c) for c in configs]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            captured = mxfp8_linear(x, q, s)
+            captured = [mxfp8_linear(x, q, s, config=c) for c in configs]
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, out), (n, k)
+        assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (n, k)

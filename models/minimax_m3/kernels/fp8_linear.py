@@ -11,6 +11,10 @@ whole cost and ``N / BLOCK_N`` programs are too few to keep HBM busy, so K is sp
 ``split_k`` programs that write fp32 partial sums; a second kernel adds them in split order and
 casts (no atomics: a graph replay equals an eager run bit for bit).
 
+At one or two rows (``GEMV_MAX_TOKENS``) ``GemvConfig`` runs the weight-row form instead
+(``fp8_gemv``: no dot, fp32 accumulators per row, the sum over K once at the end), which streams
+the weight about twice as fast there (qkv T=1 on the H200: 5.7 us against 11.2).
+
 At prefill sizes the weight tile is dequantised once per M-tile, which costs more than the bytes
 saved; ``dequantized_linear`` is the other candidate there: one elementwise kernel writes the
 bf16 weight (fp8 + scales in, bf16 out), then ``F.linear`` (cuBLAS). At T=1054 on the H200 that
@@ -30,6 +34,7 @@ from attention.kernels.triton_utils import check_device, check_tile_config, inte
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8
 
+from .fp8_gemv import gemv_rows
 from .fp8_tiles import block_scale_factors, scale_words
 
 Tensor = torch.Tensor
@@ -52,6 +57,43 @@ class LinearConfig:
         if self.block_k % MX_BLOCK:
             raise ValueError(f"LinearConfig.block_k must be a multiple of {MX_BLOCK} (the scale block), "
                              f"got {self.block_k}")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of the weight-row form (``fp8_gemv.gemv_rows``) for at most ``GEMV_MAX_TOKENS``
+    rows: ``block_n`` weight rows per program, ``block_k`` columns per step (a power of two,
+    a multiple of 128: whole scale words, and a divisor of K: no masked steps)."""
+
+    block_n: int = 4
+    block_k: int = 512
+    num_warps: int = 2
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+        if self.block_k % 128:
+            raise ValueError(f"GemvConfig.block_k must be a multiple of 128 (whole scale words), got {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
+            raise ValueError(f"GemvConfig: num_warps one of 1, 2, 4, 8 and num_stages >= 1, got {self.num_warps}, "
+                             f"{self.num_stages}")
+
+
+GEMV_MAX_TOKENS = 2  # rows the weight-row form takes (one fp32 accumulator tile per row)
+# The H200's best weight-row tiles at the rank-of-8 projections (T = 1 and 2; qkv, o_proj, an
+# expert's gate/up and down): narrow row sets, 256-1024 columns a step, 64-128 threads.
+_GEMV_TILES = ((2, 1024, 2), (4, 512, 2), (8, 256, 2), (16, 512, 4), (16, 256, 4))
+
+
+def gemv_config_candidates(num_tokens: int, k: int) -> list[GemvConfig]:
+    """The weight-row tiles that run ``num_tokens`` rows over a K of ``k`` (none above
+    ``GEMV_MAX_TOKENS`` rows or where no step divides K)."""
+    if num_tokens > GEMV_MAX_TOKENS:
+        return []
+    return [GemvConfig(block_n=n, block_k=bk, num_warps=w) for n, bk, w in _GEMV_TILES if k % bk == 0]
 
 
 DECODE_MAX_TOKENS = 64  # above: prefill tiles, and dequantising first is a candidate
@@ -127,6 +169,24 @@ def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_
 
 
 @triton.jit(do_not_specialize=["T"])
+def _gemv_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_ptr, stride_out, T, N, K,
+                        TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[t, cols] = x[t] @ dequant(w[cols])^T for the rows ``t`` of this program (axis 1: one,
+    or with ``TWO`` two rows a program), ``BLOCK_N`` weight rows per program (``stride_s`` in
+    int32 scale words)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ld = (cols % N).to(tl.int64)  # a partial last tile re-reads valid rows (not stored)
+    t0 = tl.program_id(1) * (2 if TWO else 1)
+    t1 = t0 + 1
+    acc0, acc1 = gemv_rows(x_ptr + t0.to(tl.int64) * stride_x, x_ptr + t1.to(tl.int64) * stride_x, t1 < T,
+                           w_ptr + c_ld * stride_w, s_ptr + c_ld * stride_s, K, TWO, BLOCK_K, NUM_STAGES)
+    c_ok = cols < N
+    tl.store(out_ptr + t0.to(tl.int64) * stride_out + cols, acc0.to(out_ptr.dtype.element_ty), mask=c_ok)
+    if TWO:
+        tl.store(out_ptr + t1.to(tl.int64) * stride_out + cols, acc1.to(out_ptr.dtype.element_ty), mask=c_ok & (t1 < T))
+
+
+@triton.jit(do_not_specialize=["T"])
 def _split_sum_kernel(part_ptr, stride_split, out_ptr, T, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """out[t, n] = sum over splits (in split order) of part[s, t, n]."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -150,12 +210,14 @@ def split_plan(k: int, cfg: LinearConfig) -> tuple[int, int, bool]:
 
 
 def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | None = None,
-                 config: LinearConfig | None = None) -> Tensor:
+                 config: LinearConfig | GemvConfig | None = None) -> Tensor:
     """``x [T, K] @ dequant(weight [N, K], scale_inv [N, K/32])^T -> out [T, N]`` in x's dtype;
-    graph-capturable (grids from shapes, scratch from shapes).
+    graph-capturable (grids from shapes, scratch from shapes). ``config``: the tiles
+    (``LinearConfig``) or the weight-row form (``GemvConfig``, at most ``GEMV_MAX_TOKENS`` rows).
 
     Raises:
-        ValueError: shapes, dtypes or strides that do not match.
+        ValueError: shapes, dtypes or strides that do not match, or a ``GemvConfig`` that cannot
+            run them.
     """
     check_device("mxfp8_linear", x, weight, scale_inv)
     if x.dim() != 2 or x.stride(1) != 1:
@@ -175,6 +237,9 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
         raise ValueError(f"out must be contiguous [T={t}, N={n}], got {tuple(out.shape)}")
     if t == 0:
         return out
+    if isinstance(config, GemvConfig):
+        _gemv_linear(x, weight, scale_inv, out, config)
+        return out
     cfg = config or default_linear_config(t, n, k)
     split, k_per_split, even = split_plan(k, cfg)
     dot_f32 = interpreting() or x.dtype == torch.float32
@@ -192,6 +257,21 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
         _split_sum_kernel[(triton.cdiv(t * n, block),)](target, target.stride(0), out, t, n, SPLIT=split,
                                                          BLOCK=block)
     return out
+
+
+def _gemv_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor, cfg: GemvConfig) -> None:
+    """The weight-row form: one row per program at T = 1, two otherwise (more rows re-read the
+    weights per pair of rows: correct at any T, offered at ``GEMV_MAX_TOKENS`` at most)."""
+    t, k = x.shape
+    n = weight.shape[0]
+    words = scale_words(scale_inv)
+    if k % cfg.block_k or words is None:
+        raise ValueError(f"GemvConfig runs a K that its block_k divides, with scales readable as int32 words "
+                         f"(fp8_tiles.scale_words); got K={k}, block_k={cfg.block_k}: pick a LinearConfig")
+    two = t > 1
+    _gemv_linear_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(t, 2 if two else 1))](
+        x, x.stride(0), weight, weight.stride(0), words, words.stride(0), out, out.stride(0), t, n, k,
+        TWO=two, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
 
 @triton.jit
@@ -236,5 +316,5 @@ def dequantized_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     return F.linear(x, dequantize_mxfp8_triton(weight, scale_inv, x.dtype))
 
 
-__all__ = ["LinearConfig", "default_linear_config", "dequantize_mxfp8_triton", "dequantized_linear", "mxfp8_linear",
-           "linear_config_candidates", "split_plan"]
+__all__ = ["GEMV_MAX_TOKENS", "GemvConfig", "LinearConfig", "default_linear_config", "dequantize_mxfp8_triton",
+           "dequantized_linear", "gemv_config_candidates", "linear_config_candidates", "mxfp8_linear", "split_plan"]

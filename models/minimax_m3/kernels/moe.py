@@ -14,7 +14,9 @@ shared expert.
 "Sorted pairs" design, four launches, so each expert's weights are read once per M-tile of the
 pairs routed to it (once per step at decode) and never for an expert with no pairs:
 
-1. ``_moe_align_kernel`` (one program): per-expert pair counts and offsets, the pair ids in
+1. ``_moe_align_kernel`` (one program per chunk of pairs, after ``_moe_count_kernel``'s per-chunk
+   histograms where there are several chunks; a decode step's one chunk counts its own pairs):
+   per-expert pair counts and offsets, the pair ids in
    expert order (routed pair ``p = t*K + k``, shared pair ``p = T*K + t``; the shared expert is
    expert ``E`` and holds every row), and each pair's sorted position (``-1`` when dropped).
    Ranks are running sums in pair order, so the order is stable and the same every run.
@@ -37,7 +39,8 @@ shapes (allocation under capture uses the graph's pool).
 
 MXFP8 weights run these kernels dequantising in registers, or (``MoEConfig.fp8_mma``) the
 weight-row GEMMs of ``moe_fp8_mma`` (fp8 tensor-core dots, or with ``mma_f16`` the weights
-dequantised as wgmma's register operand) between the same align and combine launches.
+dequantised as wgmma's register operand), or at one or two tokens (``MoEConfig.gemv``) the
+weight-row products of ``moe_gemv`` (no dot), between the same align and combine launches.
 
 ``fused_moe_torch`` is the same function in plain torch: the reference the kernels are tested
 against, and the CPU path.
@@ -61,6 +64,7 @@ from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_words
 from .moe_experts import down_weights
 from .moe_fp8_mma import MMA_BLOCK_K, experts_fp8_mma, fits_fp8_mma
+from .moe_gemv import GEMV_MAX_PAIRS, experts_gemv
 
 Tensor = torch.Tensor
 
@@ -102,6 +106,12 @@ class MoEConfig:
             own tiles: ``mma_block_n`` weight rows per program (64: one wgmma), ``mma_block_t``
             pairs per tile (the wgmma N), ``mma_split`` programs splitting each K, and
             ``mma_num_stages``. The other tile fields are unused then.
+        gemv: MXFP8 weights only: the weight-row kernels of ``moe_gemv`` (no ``tl.dot``; fp32
+            accumulators per pair, ``GEMV_MAX_PAIRS`` pairs of an expert at a time), for steps
+            of one or two tokens: ``gemv_block_n`` weight rows per program (gate/up: half of
+            them gate rows, half up rows), ``gemv_block_k`` columns per step (or the largest
+            power of two below it that divides K), ``gemv_num_warps``, ``gemv_num_stages``.
+            Same shapes as ``fp8_mma`` (whole scale words per step).
         mma_f16: with ``fp8_mma``, the same tiles with the weights dequantised to f16 in
             registers and dotted with f16 rows (the weight tile is wgmma's register operand:
             one K = 128 dot per step, no per-block product to wait for, no row split); only
@@ -127,6 +137,11 @@ class MoEConfig:
     mma_split: int = 1
     mma_num_stages: int = 4
     mma_f16: bool = False
+    gemv: bool = False
+    gemv_block_n: int = 4
+    gemv_block_k: int = 512
+    gemv_num_warps: int = 2
+    gemv_num_stages: int = 3
 
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h",
@@ -139,6 +154,12 @@ class MoEConfig:
                              f"mma_split >= 1, got {self.mma_block_n}, {self.mma_block_t}, {self.mma_split}")
         if self.mma_f16 and not self.fp8_mma:
             raise ValueError("MoEConfig.mma_f16 is a form of the fp8_mma tiles: set fp8_mma=True too")
+        if self.gemv_block_n < 2 or self.gemv_block_n & (self.gemv_block_n - 1) or self.gemv_block_k < 128 \
+                or self.gemv_block_k & (self.gemv_block_k - 1):
+            raise ValueError(f"MoEConfig: gemv_block_n must be a power of two >= 2 and gemv_block_k one >= 128, got "
+                             f"{self.gemv_block_n}, {self.gemv_block_k}")
+        if self.gemv and self.fp8_mma:
+            raise ValueError("MoEConfig.gemv and fp8_mma are two paths: set one")
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"MoEConfig.combine_block must be a power of two, got {self.combine_block}")
 
@@ -176,7 +197,17 @@ def moe_config_candidates(num_tokens: int, f16: bool = False, fp8_mma: bool = Fa
     weight-row tile sets of ``moe_fp8_mma`` too (with ``f16`` also their f16-dequantise form)."""
     base = _shared_candidates(num_tokens)
     out = base + [replace(c, fp8_f16=True) for c in base] if f16 else list(base)
-    return out + _mma_candidates(num_tokens, f16) if fp8_mma else out
+    return out + _mma_candidates(num_tokens, f16) + _gemv_candidates(num_tokens) if fp8_mma else out
+
+
+def _gemv_candidates(num_tokens: int) -> list[MoEConfig]:
+    """Weight-row sets (``moe_gemv``) for steps of at most ``GEMV_MAX_PAIRS`` tokens, where an
+    expert holds that many pairs at most: the row sets and steps the H200 measured fastest for
+    rank-of-8 expert rows at one and two tokens (``fp8_gemv``)."""
+    if num_tokens > GEMV_MAX_PAIRS:
+        return []
+    return [MoEConfig(gemv=True, gemv_block_n=n, gemv_block_k=k, gemv_num_warps=w)
+            for n, k, w in ((4, 512, 2), (16, 512, 4), (8, 256, 2))]
 
 
 def _mma_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
@@ -254,32 +285,37 @@ def _moe_count_kernel(ids_ptr, hist_ptr, T, K: tl.constexpr, E: tl.constexpr, E_
 @triton.jit(do_not_specialize=["T"])
 def _moe_align_kernel(ids_ptr, hist_ptr, off_ptr, sorted_ptr, pos_ptr, T, NB,
                       K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-                      CHUNK: tl.constexpr):
+                      CHUNK: tl.constexpr, SINGLE: tl.constexpr = False):
     """Offsets ``off[E + 2]``, sorted pair ids and pair positions, one program per chunk.
 
     Every program reads all chunks' histograms (``[NB, E]``, a few KB): the totals give the
     experts' start offsets, the sum over earlier chunks this chunk's base per expert, and a
     cumsum inside the chunk each pair's rank; so pairs keep their order within an expert and no
     atomics are needed (deterministic). The shared expert's rows ``t`` of this chunk's range are
-    pairs ``T*K + t`` after every routed pair.
+    pairs ``T*K + t`` after every routed pair. ``SINGLE``: one chunk holds every pair (every
+    decode step), and the program counts them itself: no histogram launch before it.
     """
     b = tl.program_id(0)
     P = T * K
     e_idx = tl.arange(0, E_PAD)
-    r_idx = tl.arange(0, NB_PAD)
-    hist = tl.load(hist_ptr + r_idx[:, None] * E_PAD + e_idx[None, :], mask=r_idx[:, None] < NB, other=0)
-    counts = tl.sum(hist, axis=0)
-    before = tl.sum(tl.where(r_idx[:, None] < b, hist, 0), axis=0)
+    p = b * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
+    hit32 = hit.to(tl.int32)
+    if SINGLE:
+        counts = tl.sum(hit32, axis=0)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+    else:
+        r_idx = tl.arange(0, NB_PAD)
+        hist = tl.load(hist_ptr + r_idx[:, None] * E_PAD + e_idx[None, :], mask=r_idx[:, None] < NB, other=0)
+        counts = tl.sum(hist, axis=0)
+        before = tl.sum(tl.where(r_idx[:, None] < b, hist, 0), axis=0)
     starts = tl.cumsum(counts, axis=0) - counts
     n_routed = tl.sum(counts, axis=0)
     if b == 0:
         tl.store(off_ptr + e_idx, starts, mask=e_idx < E)
         tl.store(off_ptr + E, n_routed)
         tl.store(off_ptr + E + 1, n_routed + T)
-    p = b * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-    hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
-    hit32 = hit.to(tl.int32)
     rank = tl.cumsum(hit32, axis=0)  # inclusive, per expert column
     pos = tl.sum(tl.where(hit, (starts + before)[None, :] + rank - 1, 0), axis=1)
     valid = tl.sum(hit32, axis=1) > 0
@@ -295,7 +331,8 @@ def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> t
     """Expert offsets ``int32 [E + 2]`` (routed experts, then the shared expert, then the end),
     sorted pair ids ``int32 [T*K + T]`` and each pair's sorted position ``int32 [T*K + T]``
     (``-1`` for dropped pairs) from local ``topk_ids [T, K]``; two launches whose grids depend on
-    T only. ``chunk``: pairs per program (power of two; default fills a 4096-element one-hot)."""
+    T only, one where a single chunk holds every pair (at rank-of-8 up to 64 tokens: every decode
+    step). ``chunk``: pairs per program (power of two; default fills a 4096-element one-hot)."""
     T, K = topk_ids.shape
     E = num_experts
     P, dev = T * K, topk_ids.device
@@ -307,9 +344,10 @@ def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> t
     sorted_pairs = torch.empty(P + T, dtype=torch.int32, device=dev)
     pair_pos = torch.empty(P + T, dtype=torch.int32, device=dev)
     warps = 4 if chunk * e_pad <= 2048 else 8
-    _moe_count_kernel[(nb,)](topk_ids, hist, T, K=K, E=E, E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
+    if nb > 1:
+        _moe_count_kernel[(nb,)](topk_ids, hist, T, K=K, E=E, E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
     _moe_align_kernel[(nb,)](topk_ids, hist, off, sorted_pairs, pair_pos, T, nb, K=K, E=E, E_PAD=e_pad,
-                             NB_PAD=max(2, next_pow2(nb)), CHUNK=chunk, num_warps=warps)
+                             NB_PAD=max(2, next_pow2(nb)), CHUNK=chunk, SINGLE=nb == 1, num_warps=warps)
     return off, sorted_pairs, pair_pos
 
 
@@ -611,8 +649,9 @@ def _fit_stages(num_stages: int, stage_bytes: int) -> int:
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
               shared_down: Tensor, alpha: float, limit: float, out: Tensor,
               config: MoEConfig | None = None, scales: MoEScales | None = None) -> Tensor:
-    """Routed experts of this rank + the shared expert, five launches (seven on the fp8
-    tensor-core path), graph-capturable.
+    """Routed experts of this rank + the shared expert, five launches (four where one align
+    program holds every pair, as at decode; two more on the fp8 tensor-core path),
+    graph-capturable.
 
     Args:
         x: ``[T, H]`` (bf16 on GPU; fp32 allowed, then the dots run in fp32 "ieee").
@@ -637,11 +676,13 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     cfg = config or default_moe_config(d.T)
     T, H, K, E, I, Is = d.T, d.H, d.K, d.E, d.I, d.Is
     fp8_mma = cfg.fp8_mma and scales is not None
+    gemv = cfg.gemv and scales is not None
     # config checks before any launch
-    if fp8_mma and not fits_fp8_mma(H, I, Is, tuple(scales)):
-        raise ValueError(f"MoEConfig.fp8_mma needs H, I and Is multiples of {MMA_BLOCK_K} (got {H}, {I}, {Is}) "
-                         "and scales readable as int32 words (fp8_tiles.scale_words); pick another config")
-    if scales is not None and not fp8_mma and min(cfg.gu_block_k, cfg.down_block_k) < MX_BLOCK:
+    if (fp8_mma or gemv) and not fits_fp8_mma(H, I, Is, tuple(scales)):
+        raise ValueError(f"MoEConfig.{'gemv' if gemv else 'fp8_mma'} needs H, I and Is multiples of {MMA_BLOCK_K} (got "
+                         f"{H}, {I}, {Is}) and scales readable as int32 words (fp8_tiles.scale_words); pick another "
+                         "config")
+    if scales is not None and not (fp8_mma or gemv) and min(cfg.gu_block_k, cfg.down_block_k) < MX_BLOCK:
         raise ValueError(f"MoEConfig with MXFP8 weights needs gu_block_k and down_block_k >= {MX_BLOCK} (one scale per "
                          f"{MX_BLOCK} columns), got {cfg.gu_block_k} and {cfg.down_block_k}")
     off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
@@ -649,6 +690,9 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
                             cfg.mma_f16)
+    elif gemv:
+        y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
+                         sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)
     else:
         y = _experts_dequant(x, topk_w, w13, w2, shared_gate_up, shared_down, alpha, limit, cfg, scales, d, off,
                              sorted_pairs)[None]

@@ -1,0 +1,206 @@
+"""The fused MoE's experts in the weight-row form (``fp8_gemv.gemv_rows``) for MXFP8 weights at
+one or two tokens (``MoEConfig.gemv``): between the same align and combine launches as the other
+paths, a gate/up kernel (SwiGLU-OAI epilogue) and a down kernel (times the routing weight) that
+multiply each weight row into fp32 accumulators without ``tl.dot``.
+
+At decode 1 an expert holds at most one pair, and the tile kernels pad it to a 16-row dot whose
+operand chain, not the bytes, sets the time. H200, rank-of-8, one routed expert and the shared
+one (42 MB of gate/up rows, 21 MB of down rows; ``benchmarks/results/mxfp8_round6/``): gate/up
+21.0 us and down 13.5 us here, against 25.4 and 17.3 for the best fp8 tensor-core tiles, which
+need two more launches (row split, activation split) besides; the whole MoE 41.0 against 60.4.
+
+Grid: axis 0 is a slot per expert that can have pairs (at most ``min(E, T*K)`` routed experts,
+then the shared one), not one per local expert: slot ``s`` takes the ``s``-th routed expert with
+pairs in id order (``_slot_expert``), the last slot the shared expert, and a slot with no expert
+returns at once. With narrow row sets an expert needs ~1500 programs, so launching them for all
+16 local experts would schedule ~25000 programs that do nothing. Axis 1 covers the weight rows
+of the widest expert. Pairs of one expert go one or (from two tokens on) two at a time, each
+pair of pairs re-reading the expert's rows (from L2), so any pair count is correct; the form is
+offered where experts hold at most two pairs. No atomics: every output element comes from one program in a fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.kernels.triton_utils import next_pow2
+
+from .fp8_gemv import gemv_rows
+from .fp8_tiles import scale_words
+
+Tensor = torch.Tensor
+
+GEMV_MAX_PAIRS = 2  # pairs a program takes at once: one fp32 accumulator tile each
+
+
+def gemv_step(k: int, block_k: int) -> int:
+    """The K step of the weight-row kernels over a K of ``k``: the largest power of two
+    ``<= block_k`` dividing ``k`` and holding whole scale words (>= 128).
+
+    Raises:
+        ValueError: ``k`` has no such step (not a multiple of 128).
+    """
+    step = block_k
+    while step >= 128 and k % step:
+        step //= 2
+    if step < 128:
+        raise ValueError(f"the weight-row MoE needs K a multiple of 128 (whole scale words), got {k}: pick a tile "
+                         "MoEConfig")
+    return step
+
+
+@triton.jit
+def _slot_expert(off_ptr, E: tl.constexpr, E_PAD: tl.constexpr):
+    """``(expert, start, end)`` of this program's slot (axis 0): the slot-th routed expert with
+    pairs (by id), the shared expert ``E`` for the last slot, or ``-1`` (and an empty range)."""
+    s = tl.program_id(0)
+    if s == tl.num_programs(0) - 1:
+        e = E
+    else:
+        e_idx = tl.arange(0, E_PAD)
+        lo = tl.load(off_ptr + e_idx, mask=e_idx < E, other=0)
+        hi = tl.load(off_ptr + e_idx + 1, mask=e_idx < E, other=0)
+        busy = hi > lo
+        rank = tl.cumsum(busy.to(tl.int32), axis=0) - 1
+        e = tl.max(tl.where(busy & (rank == s), e_idx, -1), axis=0)
+    start = tl.load(off_ptr + tl.maximum(e, 0))
+    end = tl.where(e >= 0, tl.load(off_ptr + tl.maximum(e, 0) + 1), start)
+    return e, start, end
+
+
+@triton.jit
+def _pair_token(sorted_ptr, pos, end, TK, K: tl.constexpr):
+    """The token row of the pair at sorted position ``pos`` (``pos < end``; else row 0, unread),
+    and the pair id."""
+    pair = tl.load(sorted_ptr + tl.minimum(pos, end - 1))
+    return tl.where(pair < TK, pair // K, pair - TK), pair
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_gemv_gate_up_kernel(x_ptr, stride_x, w13_ptr, stride_w13_e, stride_w13_n, s13_ptr, stride_s13_e,
+                             stride_s13_n, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n, sorted_ptr, off_ptr,
+                             act_ptr, stride_act, T, H, I, IS, alpha, limit,
+                             K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TWO: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for ``BLOCK_N // 2``
+    columns ``n`` of the slot's expert: its gate and up rows interleaved, ``BLOCK_N`` weight rows
+    per program (scale pointers and strides in int32 words)."""
+    e, start, end = _slot_expert(off_ptr, E, E_PAD)
+    if e < E:
+        N = I
+        w_ptr = w13_ptr + tl.maximum(e, 0).to(tl.int64) * stride_w13_e
+        stride_wn = stride_w13_n
+        s_ptr = s13_ptr + tl.maximum(e, 0).to(tl.int64) * stride_s13_e
+        stride_sn = stride_s13_n
+    else:
+        N = IS
+        w_ptr = sgu_ptr
+        stride_wn = stride_sgu_n
+        s_ptr = ssgu_ptr
+        stride_sn = stride_ssgu_n
+    HALF: tl.constexpr = BLOCK_N // 2
+    n0 = tl.program_id(1) * HALF
+    if n0 < N:
+        r = tl.arange(0, BLOCK_N)
+        n = n0 + r // 2
+        row = (n % N + (r % 2) * N).to(tl.int64)  # even r: gate row n, odd r: up row N + n
+        w_rows = w_ptr + row * stride_wn
+        s_rows = s_ptr + row * stride_sn
+        cols = n0 + tl.arange(0, HALF)
+        c_ok = cols < N
+        for m0 in range(start, end, 2 if TWO else 1):
+            p0 = m0 + tl.zeros([], tl.int64)  # the sorted position in int64 (row offsets of act)
+            tok0, _ = _pair_token(sorted_ptr, m0, end, T * K, K)
+            tok1, _ = _pair_token(sorted_ptr, m0 + 1, end, T * K, K)
+            acc0, acc1 = gemv_rows(x_ptr + tok0.to(tl.int64) * stride_x, x_ptr + tok1.to(tl.int64) * stride_x,
+                                   m0 + 1 < end, w_rows, s_rows, H, TWO, BLOCK_K, NUM_STAGES)
+            _store_act(acc0, act_ptr + p0 * stride_act + cols, c_ok, alpha, limit, HALF)
+            if TWO:
+                _store_act(acc1, act_ptr + (p0 + 1) * stride_act + cols, c_ok & (m0 + 1 < end), alpha, limit, HALF)
+
+
+@triton.jit
+def _store_act(acc, ptrs, mask, alpha, limit, HALF: tl.constexpr):
+    """SwiGLU-OAI of interleaved (gate, up) sums ``acc [2 * HALF]``, stored at ``ptrs [HALF]``."""
+    g, u = tl.split(tl.reshape(acc, (HALF, 2)))
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(ptrs, (g * tl.sigmoid(alpha * g) * (u + 1.0)).to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_gemv_down_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h, s2_ptr, stride_s2_e, stride_s2_h,
+                          sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h, topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y,
+                          T, H, I, IS,
+                          K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TWO: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_SHARED: tl.constexpr,
+                          NUM_STAGES: tl.constexpr):
+    """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32 for ``BLOCK_N`` rows ``h``
+    of the slot's expert (shared pairs weigh 1; scale pointers and strides in int32 words)."""
+    e, start, end = _slot_expert(off_ptr, E, E_PAD)
+    h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ld = (h % H).to(tl.int64)  # a partial last tile re-reads valid rows (not stored)
+    h_ok = h < H
+    ee = tl.maximum(e, 0).to(tl.int64)
+    for m0 in range(start, end, 2 if TWO else 1):
+        p0 = m0 + tl.zeros([], tl.int64)  # the sorted position in int64 (row offsets of act and y)
+        a0 = act_ptr + p0 * stride_act
+        a1 = a0 + stride_act
+        if e < E:
+            acc0, acc1 = gemv_rows(a0, a1, m0 + 1 < end, w2_ptr + ee * stride_w2_e + h_ld * stride_w2_h,
+                                   s2_ptr + ee * stride_s2_e + h_ld * stride_s2_h, I, TWO, BLOCK_K, NUM_STAGES)
+        else:
+            acc0, acc1 = gemv_rows(a0, a1, m0 + 1 < end, sd_ptr + h_ld * stride_sd_h, ssd_ptr + h_ld * stride_ssd_h,
+                                   IS, TWO, BLOCK_K_SHARED, NUM_STAGES)
+        _store_y(acc0, sorted_ptr, topk_w_ptr, m0, end, T * K, y_ptr + p0 * stride_y + h, h_ok)
+        if TWO:
+            _store_y(acc1, sorted_ptr, topk_w_ptr, m0 + 1, end, T * K, y_ptr + (p0 + 1) * stride_y + h,
+                     h_ok & (m0 + 1 < end))
+
+
+@triton.jit
+def _store_y(acc, sorted_ptr, topk_w_ptr, pos, end, TK, ptrs, mask):
+    """``acc`` times the routing weight of the pair at sorted position ``pos`` (1 for a shared
+    pair), stored at ``ptrs``."""
+    pair = tl.load(sorted_ptr + tl.minimum(pos, end - 1))
+    wt = tl.where(pair < TK, tl.load(topk_w_ptr + tl.minimum(pair, TK - 1)), 1.0)
+    tl.store(ptrs, acc * wt, mask=mask)
+
+
+def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
+                 scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
+                 sorted_pairs: Tensor, K: int, block_n: int, block_k: int, num_warps: int,
+                 num_stages: int) -> Tensor:
+    """The per-pair expert outputs ``y [1, P + T, H]`` fp32 (weighted) of the sorted pairs
+    ``(off, sorted_pairs)`` of ``moe_align``, for ``moe.fused_moe``'s combine. Shapes as
+    ``fused_moe``'s (checked there), fitting ``moe_fp8_mma.fits_fp8_mma`` (H, I and Is multiples
+    of 128, scales readable as int32 words: the same whole-word steps).
+    """
+    T, H = x.shape
+    E, I = w13.shape[0], w13.shape[1] // 2
+    Is = shared_gate_up.shape[0] // 2
+    P = T * K
+    s13, s2, ssgu, ssd = (scale_words(s) for s in scales)
+    two = T > 1  # an expert holds at most T pairs: two a program from two tokens on
+    e_pad = max(2, next_pow2(E))
+    slots = min(E, P) + 1
+    act = torch.empty(P + T, max(I, Is), dtype=x.dtype, device=x.device)
+    _moe_gemv_gate_up_kernel[(slots, triton.cdiv(max(I, Is), block_n // 2))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
+        shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0), sorted_pairs, off, act, act.stride(0),
+        T, H, I, Is, float(alpha), float(limit),
+        K=K, E=E, E_PAD=e_pad, TWO=two, BLOCK_N=block_n, BLOCK_K=gemv_step(H, block_k), NUM_STAGES=num_stages,
+        num_warps=num_warps)
+    y = torch.empty(1, P + T, H, dtype=torch.float32, device=x.device)
+    _moe_gemv_down_kernel[(slots, triton.cdiv(H, block_n))](
+        act, act.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
+        shared_down, shared_down.stride(0), ssd, ssd.stride(0), topk_w, sorted_pairs, off, y, y.stride(1),
+        T, H, I, Is,
+        K=K, E=E, E_PAD=e_pad, TWO=two, BLOCK_N=block_n, BLOCK_K=gemv_step(I, block_k),
+        BLOCK_K_SHARED=gemv_step(Is, block_k), NUM_STAGES=num_stages, num_warps=num_warps)
+    return y
+
+
+__all__ = ["GEMV_MAX_PAIRS", "experts_gemv", "gemv_step"]
