@@ -42,6 +42,33 @@ except ImportError:  # a checkout before the step vocabulary moved
     from attention.metadata import TokenChunk
 
 
+def top_kernels(cov, layers: int, n: int) -> dict[str, float]:
+    """The ``n`` kernels with the most GPU time in one step (graphs and eager splices, names
+    cut to 40 characters), in us per layer: where a step's time goes."""
+    total: dict[str, float] = {}
+    for k, us in list(cov.graph_us_by_name.items()) + [kv for site in cov.eager_us_by_site.values()
+                                                      for kv in site.items()]:
+        total[k[:40]] = total.get(k[:40], 0.0) + us
+    return {k: round(us / layers, 1) for k, us in sorted(total.items(), key=lambda kv: -kv[1])[:n]}
+
+
+def kernel_choices(runner, sizes: list[int]) -> list[str]:
+    """The tuner's choices for the MoE and the MXFP8 projections at the decode sizes (names as
+    the tuner lists them; the MoE's configs by candidate index, with the config itself), so a
+    run says which kernels its figures measured. Empty on checkouts without a tuner."""
+    tuner = getattr(getattr(runner.model, "ops", None), "tuner", None)
+    out = []
+    for (op, key), choice in sorted(getattr(tuner, "choices", {}).items(), key=lambda kv: str(kv[0])):
+        rows = key if op == "moe" else key[-1] if isinstance(key, tuple) else None
+        if op in ("moe", "mxfp8_linear") and rows in sizes:
+            what = choice.chosen
+            moe_configs = getattr(runner.model.ops.moe, "_configs", {})
+            if op == "moe" and key in moe_configs:
+                what += f" {moe_configs[key]}"
+            out.append(f"{op} {key}: {what}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="rank-of-8")
@@ -60,6 +87,7 @@ def main() -> None:
     p.add_argument("--backend", default="auto",
                    help="attention backend kind (attention.registry), e.g. flashinfer_tiles")
     p.add_argument("--kv-dtype", default=None, help="KV and index-K cache dtype: bf16 (default) or fp8")
+    p.add_argument("--top-kernels", type=int, default=0, help="print the N kernels with the most GPU time per step")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     config = MiniMaxM3Config.preset(args.preset)
@@ -95,6 +123,9 @@ def main() -> None:
     t0 = time.perf_counter()
     runner.capture()
     capture_s = time.perf_counter() - t0
+    chosen = kernel_choices(runner, sizes)
+    for line in chosen:
+        print(f"{args.label:>8} chose {line}", flush=True)
     gen = torch.Generator().manual_seed(0)
     vocab = config.vocab_size
     # Random context: every request's pages hold different keys, so attention (and the hidden
@@ -143,18 +174,22 @@ def main() -> None:
                           sparse_kernels_us_per_sparse_layer=round(sparse_us / max(n_sparse, 1), 1),
                           gpu_us_per_layer=round(cov.busy_us / layers, 1),
                           moe_us_per_moe_layer=round(moe_us / max(moe_layers, 1), 1),
-                          kernels_in_graphs=cov.in_graphs, kernels_eager=cov.eager)
+                          kernels_in_graphs=cov.in_graphs, kernels_eager=cov.eager,
+                          kernel_us_per_layer=top_kernels(cov, layers, args.top_kernels))
         print(f"{args.label:>8} {name:>14}: wall {ms:8.2f} ms, GPU-busy {cov.busy_us / 1e3:8.2f} ms "
               f"({cov.busy_us / layers:6.1f} us/layer, MoE {moe_us / max(moe_layers, 1):6.1f} us/MoE layer), "
               f"kernels {cov.in_graphs} in graphs + {cov.eager} eager; sparse attention kernels "
               f"{sparse_us / max(n_sparse, 1):6.1f} us/sparse layer", flush=True)
+        if args.top_kernels:
+            print(f"{args.label:>8} {name:>14}: largest kernels, GPU us per layer: "
+                  + ", ".join(f"{k} {v}" for k, v in rows[name]["kernel_us_per_layer"].items()), flush=True)
         if sites:
             per = {site: round(us / max(n_sparse, 1), 1) for site, us in sites.items()}
             print(f"{args.label:>8} {name:>14}: eager GPU us per step by site {sites}; / {n_sparse} sparse layers "
                   f"{per}", flush=True)
     res = dict(label=args.label, gpu=torch.cuda.get_device_name(), preset=args.preset, layers=layers,
                context=args.context, requests=n_req, mixed_decodes=md, chunk=chunk, iters=args.iters,
-               build_s=round(build_s, 2), capture_s=round(capture_s, 2),
+               build_s=round(build_s, 2), capture_s=round(capture_s, 2), kernel_choices=chosen,
                backend=args.backend, kv_dtype=args.kv_dtype or "bf16",
                routing=args.routing, concentrated=args.concentrated, quantization=args.quantization,
                weights_gib=round(weights_gib, 2),

@@ -91,7 +91,7 @@ for part in "${parts[@]}"; do
     producers)  $T python3 benchmarks/bench_m3_producers.py --json "$OUT/bench_m3_producers.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     steps)      rc=0
                 if [ -d .baseline ]; then  # the earlier checkout's packages first on the path, not this one's
-                  PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} $T python3 benchmarks/bench_steps.py --label before --json "$OUT/bench_steps_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+                  PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} $T python3 benchmarks/bench_steps.py --label before ${STEPS_ARGS:-} --json "$OUT/bench_steps_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
                 fi
                 $T python3 benchmarks/bench_steps.py --label after ${STEPS_ARGS:-} --json "$OUT/bench_steps_after${STEPS_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
     routing)    # 60-layer steps under three routings, side by side: the uncalibrated random router
