@@ -391,6 +391,14 @@ def test_fused_linear_validates_the_fp8_kernel_and_runs_it_where_chosen():
     shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, MXFP8Linear)}
     choices = [model.ops.tuner.choices[(FusedLinear.OP, (n, k, 5))] for n, k in shapes]
     assert choices and all(c.rejected == {} for c in choices)  # the kernel passed validation
+    # at one row the weight-row form is a candidate too (where a whole step divides K), validated alike
+    from models.minimax_m3.kernels.fp8_linear import gemv_config_candidates
+
+    model.ops.choose_kernels(model, 1)
+    for n, k in shapes:
+        c = model.ops.tuner.choices[(FusedLinear.OP, (n, k, 1))]
+        offered = sum("GemvConfig" in name for name in c.timings_us)
+        assert c.rejected == {} and offered == len(gemv_config_candidates(1, k)), (n, k, c.timings_us)
     attn = model.model.layers[1].self_attn
     x = torch.randn(5, TINY8.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEV)
     key = (attn.qkv_proj.out_features, attn.qkv_proj.in_features, 5)

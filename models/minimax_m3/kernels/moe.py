@@ -39,7 +39,7 @@ shapes (allocation under capture uses the graph's pool).
 
 MXFP8 weights run these kernels dequantising in registers, or (``MoEConfig.fp8_mma``) the
 weight-row GEMMs of ``moe_fp8_mma`` (fp8 tensor-core dots, or with ``mma_f16`` the weights
-dequantised as wgmma's register operand), or at one or two tokens (``MoEConfig.gemv``) the
+dequantised as wgmma's register operand), or at a few tokens (``MoEConfig.gemv``) the
 weight-row products of ``moe_gemv`` (no dot), between the same align and combine launches.
 
 ``fused_moe_torch`` is the same function in plain torch: the reference the kernels are tested
@@ -64,7 +64,7 @@ from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_words
 from .moe_experts import down_weights
 from .moe_fp8_mma import MMA_BLOCK_K, experts_fp8_mma, fits_fp8_mma
-from .moe_gemv import GEMV_MAX_PAIRS, experts_gemv
+from .moe_gemv import GEMV_MAX_TOKENS, experts_gemv
 
 Tensor = torch.Tensor
 
@@ -107,8 +107,8 @@ class MoEConfig:
             pairs per tile (the wgmma N), ``mma_split`` programs splitting each K, and
             ``mma_num_stages``. The other tile fields are unused then.
         gemv: MXFP8 weights only: the weight-row kernels of ``moe_gemv`` (no ``tl.dot``; fp32
-            accumulators per pair, ``GEMV_MAX_PAIRS`` pairs of an expert at a time), for steps
-            of one or two tokens: ``gemv_block_n`` weight rows per program (gate/up: half of
+            accumulators, an expert's pairs one at a time), for steps of a few tokens
+            (``moe_gemv.GEMV_MAX_TOKENS``): ``gemv_block_n`` weight rows per program (gate/up: half of
             them gate rows, half up rows), ``gemv_block_k`` columns per step (or the largest
             power of two below it that divides K), ``gemv_num_warps``, ``gemv_num_stages``.
             Same shapes as ``fp8_mma`` (whole scale words per step).
@@ -201,10 +201,10 @@ def moe_config_candidates(num_tokens: int, f16: bool = False, fp8_mma: bool = Fa
 
 
 def _gemv_candidates(num_tokens: int) -> list[MoEConfig]:
-    """Weight-row sets (``moe_gemv``) for steps of at most ``GEMV_MAX_PAIRS`` tokens, where an
-    expert holds that many pairs at most: the row sets and steps the H200 measured fastest for
-    rank-of-8 expert rows at one and two tokens (``fp8_gemv``)."""
-    if num_tokens > GEMV_MAX_PAIRS:
+    """Weight-row sets (``moe_gemv``) for steps of at most ``GEMV_MAX_TOKENS`` tokens, where an
+    expert holds a pair or two: the row sets and steps the H200 measured fastest for rank-of-8
+    expert rows at one and two tokens (``fp8_gemv``)."""
+    if num_tokens > GEMV_MAX_TOKENS:
         return []
     return [MoEConfig(gemv=True, gemv_block_n=n, gemv_block_k=k, gemv_num_warps=w)
             for n, k, w in ((4, 512, 2), (16, 512, 4), (8, 256, 2))]

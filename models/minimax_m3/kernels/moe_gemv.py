@@ -1,5 +1,5 @@
 """The fused MoE's experts in the weight-row form (``fp8_gemv.gemv_rows``) for MXFP8 weights at
-one or two tokens (``MoEConfig.gemv``): between the same align and combine launches as the other
+a few tokens (``MoEConfig.gemv``): between the same align and combine launches as the other
 paths, a gate/up kernel (SwiGLU-OAI epilogue) and a down kernel (times the routing weight) that
 multiply each weight row into fp32 accumulators without ``tl.dot``.
 
@@ -14,9 +14,12 @@ then the shared one), not one per local expert: slot ``s`` takes the ``s``-th ro
 pairs in id order (``_slot_expert``), the last slot the shared expert, and a slot with no expert
 returns at once. With narrow row sets an expert needs ~1500 programs, so launching them for all
 16 local experts would schedule ~25000 programs that do nothing. Axis 1 covers the weight rows
-of the widest expert. Pairs of one expert go one or (from two tokens on) two at a time, each
-pair of pairs re-reading the expert's rows (from L2), so any pair count is correct; the form is
-offered where experts hold at most two pairs. No atomics: every output element comes from one program in a fixed order.
+of the widest expert. A program takes its expert's pairs one at a time, each re-reading the
+program's weight rows (from L2 after the first), so any pair count is correct; the form is
+offered where experts hold a pair or two (``GEMV_MAX_TOKENS``). A first version took two pairs
+a pass (two accumulators): the one-pair experts, the common case there, paid the second one's
+registers and FMAs for nothing, and at decode 2 the tuner kept the tensor-core tiles. No
+atomics: every output element comes from one program in a fixed order.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .fp8_tiles import scale_words
 
 Tensor = torch.Tensor
 
-GEMV_MAX_PAIRS = 2  # pairs a program takes at once: one fp32 accumulator tile each
+GEMV_MAX_TOKENS = 4  # token counts the form is offered at (an expert then holds a pair or two)
 
 
 def gemv_step(k: int, block_k: int) -> int:
@@ -82,8 +85,8 @@ def _pair_token(sorted_ptr, pos, end, TK, K: tl.constexpr):
 def _moe_gemv_gate_up_kernel(x_ptr, stride_x, w13_ptr, stride_w13_e, stride_w13_n, s13_ptr, stride_s13_e,
                              stride_s13_n, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n, sorted_ptr, off_ptr,
                              act_ptr, stride_act, T, H, I, IS, alpha, limit,
-                             K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TWO: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                             K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for ``BLOCK_N // 2``
     columns ``n`` of the slot's expert: its gate and up rows interleaved, ``BLOCK_N`` weight rows
     per program (scale pointers and strides in int32 words)."""
@@ -110,15 +113,12 @@ def _moe_gemv_gate_up_kernel(x_ptr, stride_x, w13_ptr, stride_w13_e, stride_w13_
         s_rows = s_ptr + row * stride_sn
         cols = n0 + tl.arange(0, HALF)
         c_ok = cols < N
-        for m0 in range(start, end, 2 if TWO else 1):
-            p0 = m0 + tl.zeros([], tl.int64)  # the sorted position in int64 (row offsets of act)
-            tok0, _ = _pair_token(sorted_ptr, m0, end, T * K, K)
-            tok1, _ = _pair_token(sorted_ptr, m0 + 1, end, T * K, K)
-            acc0, acc1 = gemv_rows(x_ptr + tok0.to(tl.int64) * stride_x, x_ptr + tok1.to(tl.int64) * stride_x,
-                                   m0 + 1 < end, w_rows, s_rows, H, TWO, BLOCK_K, NUM_STAGES)
-            _store_act(acc0, act_ptr + p0 * stride_act + cols, c_ok, alpha, limit, HALF)
-            if TWO:
-                _store_act(acc1, act_ptr + (p0 + 1) * stride_act + cols, c_ok & (m0 + 1 < end), alpha, limit, HALF)
+        for m0 in range(start, end):
+            tok, _ = _pair_token(sorted_ptr, m0, end, T * K, K)
+            acc, _ = gemv_rows(x_ptr + tok.to(tl.int64) * stride_x, x_ptr, False, w_rows, s_rows, H, False, BLOCK_K,
+                               NUM_STAGES)
+            p = m0 + tl.zeros([], tl.int64)  # the sorted position in int64 (row offset of act)
+            _store_act(acc, act_ptr + p * stride_act + cols, c_ok, alpha, limit, HALF)
 
 
 @triton.jit
@@ -134,8 +134,8 @@ def _store_act(acc, ptrs, mask, alpha, limit, HALF: tl.constexpr):
 def _moe_gemv_down_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h, s2_ptr, stride_s2_e, stride_s2_h,
                           sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h, topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y,
                           T, H, I, IS,
-                          K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TWO: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K_SHARED: tl.constexpr,
+                          K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_K_SHARED: tl.constexpr,
                           NUM_STAGES: tl.constexpr):
     """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32 for ``BLOCK_N`` rows ``h``
     of the slot's expert (shared pairs weigh 1; scale pointers and strides in int32 words)."""
@@ -144,20 +144,16 @@ def _moe_gemv_down_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h,
     h_ld = (h % H).to(tl.int64)  # a partial last tile re-reads valid rows (not stored)
     h_ok = h < H
     ee = tl.maximum(e, 0).to(tl.int64)
-    for m0 in range(start, end, 2 if TWO else 1):
-        p0 = m0 + tl.zeros([], tl.int64)  # the sorted position in int64 (row offsets of act and y)
-        a0 = act_ptr + p0 * stride_act
-        a1 = a0 + stride_act
+    for m0 in range(start, end):
+        p = m0 + tl.zeros([], tl.int64)  # the sorted position in int64 (row offsets of act and y)
+        a = act_ptr + p * stride_act
         if e < E:
-            acc0, acc1 = gemv_rows(a0, a1, m0 + 1 < end, w2_ptr + ee * stride_w2_e + h_ld * stride_w2_h,
-                                   s2_ptr + ee * stride_s2_e + h_ld * stride_s2_h, I, TWO, BLOCK_K, NUM_STAGES)
+            acc, _ = gemv_rows(a, a, False, w2_ptr + ee * stride_w2_e + h_ld * stride_w2_h,
+                               s2_ptr + ee * stride_s2_e + h_ld * stride_s2_h, I, False, BLOCK_K, NUM_STAGES)
         else:
-            acc0, acc1 = gemv_rows(a0, a1, m0 + 1 < end, sd_ptr + h_ld * stride_sd_h, ssd_ptr + h_ld * stride_ssd_h,
-                                   IS, TWO, BLOCK_K_SHARED, NUM_STAGES)
-        _store_y(acc0, sorted_ptr, topk_w_ptr, m0, end, T * K, y_ptr + p0 * stride_y + h, h_ok)
-        if TWO:
-            _store_y(acc1, sorted_ptr, topk_w_ptr, m0 + 1, end, T * K, y_ptr + (p0 + 1) * stride_y + h,
-                     h_ok & (m0 + 1 < end))
+            acc, _ = gemv_rows(a, a, False, sd_ptr + h_ld * stride_sd_h, ssd_ptr + h_ld * stride_ssd_h, IS, False,
+                               BLOCK_K_SHARED, NUM_STAGES)
+        _store_y(acc, sorted_ptr, topk_w_ptr, m0, end, T * K, y_ptr + p * stride_y + h, h_ok)
 
 
 @triton.jit
@@ -183,7 +179,6 @@ def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate
     Is = shared_gate_up.shape[0] // 2
     P = T * K
     s13, s2, ssgu, ssd = (scale_words(s) for s in scales)
-    two = T > 1  # an expert holds at most T pairs: two a program from two tokens on
     e_pad = max(2, next_pow2(E))
     slots = min(E, P) + 1
     act = torch.empty(P + T, max(I, Is), dtype=x.dtype, device=x.device)
@@ -191,16 +186,16 @@ def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0), sorted_pairs, off, act, act.stride(0),
         T, H, I, Is, float(alpha), float(limit),
-        K=K, E=E, E_PAD=e_pad, TWO=two, BLOCK_N=block_n, BLOCK_K=gemv_step(H, block_k), NUM_STAGES=num_stages,
+        K=K, E=E, E_PAD=e_pad, BLOCK_N=block_n, BLOCK_K=gemv_step(H, block_k), NUM_STAGES=num_stages,
         num_warps=num_warps)
     y = torch.empty(1, P + T, H, dtype=torch.float32, device=x.device)
     _moe_gemv_down_kernel[(slots, triton.cdiv(H, block_n))](
         act, act.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0), topk_w, sorted_pairs, off, y, y.stride(1),
         T, H, I, Is,
-        K=K, E=E, E_PAD=e_pad, TWO=two, BLOCK_N=block_n, BLOCK_K=gemv_step(I, block_k),
+        K=K, E=E, E_PAD=e_pad, BLOCK_N=block_n, BLOCK_K=gemv_step(I, block_k),
         BLOCK_K_SHARED=gemv_step(Is, block_k), NUM_STAGES=num_stages, num_warps=num_warps)
     return y
 
 
-__all__ = ["GEMV_MAX_PAIRS", "experts_gemv", "gemv_step"]
+__all__ = ["GEMV_MAX_TOKENS", "experts_gemv", "gemv_step"]
