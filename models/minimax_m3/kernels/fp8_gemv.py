@@ -4,14 +4,14 @@ MoE at one or two tokens.
 
 Why not the tensor cores here: a one-token product pads the token to a 16-row tile, and the
 weight tile must go global -> shared -> registers (dequantise) -> shared -> wgmma, a chain whose
-waits, not the bytes, set the time (qkv at T=1: 11.2 us for 9.7 MB, 0.9 TB/s). Here each step
+waits, not the bytes, set the time (qkv at T=1: 11.7 us for 9.7 MB, 0.8 TB/s). Here each step
 loads a ``[BLOCK_N, BLOCK_K]`` fp8 tile (pipelined: asynchronous copies into shared memory),
 dequantises it in registers (convert, times the block's scale) and multiplies it into fp32
 accumulators of the same shape, one per activation row; the sum over K happens once, after the
 loop. Per weight that is a convert, a multiply and an FMA per row, well within what the SMs
 issue while the weights stream. H200, graph replay over weight sets that do not fit L2,
 rank-of-8 shapes (``benchmarks/results/mxfp8_round6/``): qkv 1536 x 6144 at T=1 5.7 us (the
-tile kernel's best 11.2, bf16 cuBLAS 9.3), an expert's gate/up 6144 x 6144 14.1 us (2.8 TB/s;
+tile kernels' best 11.7, bf16 cuBLAS 9.3), an expert's gate/up 6144 x 6144 14.1 us (2.8 TB/s;
 the tile kernel 23.5).
 
 The scales are read as int32 words of four E8M0 bytes (``fp8_tiles.scale_words``): one-byte

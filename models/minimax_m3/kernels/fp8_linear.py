@@ -13,7 +13,7 @@ casts (no atomics: a graph replay equals an eager run bit for bit).
 
 At one or two rows (``GEMV_MAX_TOKENS``) ``GemvConfig`` runs the weight-row form instead
 (``fp8_gemv``: no dot, fp32 accumulators per row, the sum over K once at the end), which streams
-the weight about twice as fast there (qkv T=1 on the H200: 5.7 us against 11.2).
+the weight about twice as fast there (qkv T=1 on the H200: 5.7 us against 11.7).
 
 At prefill sizes the weight tile is dequantised once per M-tile, which costs more than the bytes
 saved; ``dequantized_linear`` is the other candidate there: one elementwise kernel writes the
