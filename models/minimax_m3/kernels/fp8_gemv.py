@@ -1,6 +1,6 @@
 """The weight-row form of an MXFP8 product for a few activation rows (decode): ``acc[t, n] =
-sum_k x[t, k] * dequant(w[n, k])`` with no ``tl.dot``, shared by the fp8 linear and the fused
-MoE at one or two tokens.
+sum_k x[t, k] * dequant(w[n, k])`` with no ``tl.dot``, shared by the fp8 linear (one or two
+rows) and the fused MoE (a few tokens).
 
 Why not the tensor cores here: a one-token product pads the token to a 16-row tile, and the
 weight tile must go global -> shared -> registers (dequantise) -> shared -> wgmma, a chain whose

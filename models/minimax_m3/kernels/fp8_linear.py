@@ -61,8 +61,8 @@ class LinearConfig:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tiles of the weight-row form (``fp8_gemv.gemv_rows``) for at most ``GEMV_MAX_TOKENS``
-    rows: ``block_n`` weight rows per program, ``block_k`` columns per step (a power of two,
+    """Tiles of the weight-row form (``fp8_gemv.gemv_rows``), offered at up to
+    ``GEMV_MAX_TOKENS`` rows: ``block_n`` weight rows per program, ``block_k`` columns per step (a power of two,
     a multiple of 128: whole scale words, and a divisor of K: no masked steps)."""
 
     block_n: int = 4
@@ -82,7 +82,7 @@ class GemvConfig:
                              f"{self.num_stages}")
 
 
-GEMV_MAX_TOKENS = 2  # rows the weight-row form takes (one fp32 accumulator tile per row)
+GEMV_MAX_TOKENS = 2  # rows the weight-row form is offered at (one fp32 accumulator tile per row)
 # The H200's best weight-row tiles at the rank-of-8 projections (T = 1 and 2; qkv, o_proj, an
 # expert's gate/up and down): narrow row sets, 256-1024 columns a step, 64-128 threads.
 _GEMV_TILES = ((2, 1024, 2), (4, 512, 2), (8, 256, 2), (16, 512, 4), (16, 256, 4))
@@ -213,7 +213,8 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
                  config: LinearConfig | GemvConfig | None = None) -> Tensor:
     """``x [T, K] @ dequant(weight [N, K], scale_inv [N, K/32])^T -> out [T, N]`` in x's dtype;
     graph-capturable (grids from shapes, scratch from shapes). ``config``: the tiles
-    (``LinearConfig``) or the weight-row form (``GemvConfig``, at most ``GEMV_MAX_TOKENS`` rows).
+    (``LinearConfig``) or the weight-row form (``GemvConfig``: any T, offered by
+    ``gemv_config_candidates`` at ``GEMV_MAX_TOKENS`` rows at most).
 
     Raises:
         ValueError: shapes, dtypes or strides that do not match, or a ``GemvConfig`` that cannot
