@@ -15,7 +15,7 @@ Paths: ``fused_moe`` for every ``moe_config_candidates(T)`` entry; with ``--mxfp
 default) also ``fused_moe`` on the same weights quantized to MXFP8 for every
 ``moe_config_candidates(T, f16=True, fp8_mma=True)`` entry (the bf16 shapes, then each with
 the f16 dequantise-and-dot math, "mxfp8 f16", then the fp8 tensor-core tile sets, "mxfp8 mma",
-and at one or two tokens the weight-row sets, "mxfp8 gemv"),
+and at up to four tokens the weight-row sets, "mxfp8 gemv"),
 its floor counting
 fp8 bytes plus a scale byte per 32 and its error taken against fp32 on the dequantised weights;
 the torch reference
