@@ -56,10 +56,6 @@ class GcTimeline:
                 out.append(p)
         return out[::-1]
 
-    def ms_between(self, t0: float, t1: float) -> float:
-        """Milliseconds of collection inside ``(t0, t1]``."""
-        return pause_ms(self.between(t0, t1), t0, t1)
-
 
 def pause_ms(pauses: list[GcPause], t0: float, t1: float) -> float:
     """Milliseconds of ``pauses`` (``GcTimeline.between(t0, t1)``) inside ``(t0, t1]``."""

@@ -16,7 +16,7 @@ from engine import (
     serve,
     step_log,
 )
-from engine.gc_pauses import GcPause, GcTimeline, timeline
+from engine.gc_pauses import GcPause, GcTimeline, pause_ms, timeline
 from models.minimax_m3 import build_from_preset
 
 SCHED = SchedulerConfig(token_budget=20, chunk_size=12)
@@ -32,8 +32,8 @@ def test_the_timeline_clips_collections_to_a_window():
         t.pauses.extend([GcPause(1.0, 1.5, 0), GcPause(2.0, 2.1, 2), GcPause(3.0, 3.4, 1)])
         assert [p.start for p in t.between(1.2, 3.1)] == [1.0, 2.0, 3.0]
         assert t.between(1.5, 2.0) == []  # (t0, t1]: one that ended at t0 and one that starts at t1 are outside
-        assert t.ms_between(1.2, 3.1) == pytest.approx(1e3 * (0.3 + 0.1 + 0.1))
-        assert t.ms_between(0.0, 10.0) == pytest.approx(1e3 * (0.5 + 0.1 + 0.4))
+        assert pause_ms(t.between(1.2, 3.1), 1.2, 3.1) == pytest.approx(1e3 * (0.3 + 0.1 + 0.1))
+        assert pause_ms(t.between(0.0, 10.0), 0.0, 10.0) == pytest.approx(1e3 * (0.5 + 0.1 + 0.4))
     finally:
         gc.callbacks.remove(t._on_gc)
 
