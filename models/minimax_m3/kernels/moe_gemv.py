@@ -74,11 +74,10 @@ def _slot_expert(off_ptr, E: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _pair_token(sorted_ptr, pos, end, TK, K: tl.constexpr):
-    """The token row of the pair at sorted position ``pos`` (``pos < end``; else row 0, unread),
-    and the pair id."""
-    pair = tl.load(sorted_ptr + tl.minimum(pos, end - 1))
-    return tl.where(pair < TK, pair // K, pair - TK), pair
+def _pair_token(sorted_ptr, pos, TK, K: tl.constexpr):
+    """The token row of the pair at sorted position ``pos``."""
+    pair = tl.load(sorted_ptr + pos)
+    return tl.where(pair < TK, pair // K, pair - TK)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -114,7 +113,7 @@ def _moe_gemv_gate_up_kernel(x_ptr, stride_x, w13_ptr, stride_w13_e, stride_w13_
         cols = n0 + tl.arange(0, HALF)
         c_ok = cols < N
         for m0 in range(start, end):
-            tok, _ = _pair_token(sorted_ptr, m0, end, T * K, K)
+            tok = _pair_token(sorted_ptr, m0, T * K, K)
             acc, _ = gemv_rows(x_ptr + tok.to(tl.int64) * stride_x, x_ptr, False, w_rows, s_rows, H, False, BLOCK_K,
                                NUM_STAGES)
             p = m0 + tl.zeros([], tl.int64)  # the sorted position in int64 (row offset of act)
@@ -153,14 +152,14 @@ def _moe_gemv_down_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h,
         else:
             acc, _ = gemv_rows(a, a, False, sd_ptr + h_ld * stride_sd_h, ssd_ptr + h_ld * stride_ssd_h, IS, False,
                                BLOCK_K_SHARED, NUM_STAGES)
-        _store_y(acc, sorted_ptr, topk_w_ptr, m0, end, T * K, y_ptr + p * stride_y + h, h_ok)
+        _store_y(acc, sorted_ptr, topk_w_ptr, m0, T * K, y_ptr + p * stride_y + h, h_ok)
 
 
 @triton.jit
-def _store_y(acc, sorted_ptr, topk_w_ptr, pos, end, TK, ptrs, mask):
+def _store_y(acc, sorted_ptr, topk_w_ptr, pos, TK, ptrs, mask):
     """``acc`` times the routing weight of the pair at sorted position ``pos`` (1 for a shared
     pair), stored at ``ptrs``."""
-    pair = tl.load(sorted_ptr + tl.minimum(pos, end - 1))
+    pair = tl.load(sorted_ptr + pos)
     wt = tl.where(pair < TK, tl.load(topk_w_ptr + tl.minimum(pair, TK - 1)), 1.0)
     tl.store(ptrs, acc * wt, mask=mask)
 
