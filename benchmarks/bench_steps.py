@@ -56,13 +56,14 @@ def kernel_choices(runner, sizes: list[int]) -> list[str]:
     """The tuner's choices for the MoE and the MXFP8 projections at the decode sizes (names as
     the tuner lists them; the MoE's configs by candidate index, with the config itself), so a
     run says which kernels its figures measured. Empty on checkouts without a tuner."""
-    tuner = getattr(getattr(runner.model, "ops", None), "tuner", None)
+    ops = getattr(runner.model, "ops", None)
+    tuner = getattr(ops, "tuner", None)
+    moe_configs = getattr(getattr(ops, "moe", None), "_configs", {})
     out = []
     for (op, key), choice in sorted(getattr(tuner, "choices", {}).items(), key=lambda kv: str(kv[0])):
         rows = key if op == "moe" else key[-1] if isinstance(key, tuple) else None
         if op in ("moe", "mxfp8_linear") and rows in sizes:
             what = choice.chosen
-            moe_configs = getattr(runner.model.ops.moe, "_configs", {})
             if op == "moe" and key in moe_configs:
                 what += f" {moe_configs[key]}"
             out.append(f"{op} {key}: {what}")
