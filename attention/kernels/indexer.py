@@ -154,9 +154,14 @@ def _row_candidates(
 ):
     """The candidates of the one token row ``tok`` in chunk ``c``, from a dot with the block's
     keys as its rows, ``[BLOCK_N keys, D] x [D, HP]`` (the token's index heads, padded to
-    ``HP >= 16``), where the query-rows form would pad one token to a 64-row tile. At 64 rows
-    the padding is 64x the tensor-core work of the real row, which at fp8 costs as long as
-    streaming the keys does; here it is at most 16x, and the bytes set the time.
+    ``HP``: :func:`row_heads`), where the query-rows form would pad one token to a 64-row tile.
+    At 64 rows the padding is 64x the tensor-core work of the real row, which at fp8 costs as
+    long as streaming the keys does; here it is at most 16x, and the bytes set the time.
+
+    fp8 keys (``FP8_DOT``) meet the query's two e4m3 parts in one dot: its ``2 * HP`` columns
+    hold each head's ``hi`` and ``lo`` side by side, summed in fp32 after the dot (two dots of
+    ``HP`` columns, one per part, issued twice the wgmma per page and waited for each: the fp8
+    page is half a bf16 one, so per byte that was four times bf16's tensor-core work).
 
     Only blocks before the token's local block are scored: they hold no key past its position
     (no causal mask), and the merge forces the local block in. A padded row (slot -1) and
@@ -170,13 +175,18 @@ def _row_candidates(
         d = tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
         cols = tl.arange(0, CHUNK)
-        q = tl.load(iq_ptr + tok.to(tl.int64) * stride_iq_t + h[:, None] * stride_iq_h + d[None, :],
-                    mask=(h[:, None] < HIDX) & (d[None, :] < DI), other=0.0)
-        q_lo = q
-        if DOT_F32:
-            q = q.to(tl.float32)
-        elif FP8_DOT:
-            q, q_lo, _ = fp8_split_rows(q)  # a row's scores are compared only with each other: 2**e stays
+        q_row = iq_ptr + tok.to(tl.int64) * stride_iq_t
+        if FP8_DOT:  # dot column 2h holds head h's hi part, 2h + 1 its lo part (the same row split)
+            r = tl.arange(0, 2 * HP)
+            q = tl.load(q_row + (r // 2)[:, None] * stride_iq_h + d[None, :],
+                        mask=((r // 2)[:, None] < HIDX) & (d[None, :] < DI), other=0.0)
+            hi, lo, _ = fp8_split_rows(q)  # a row's scores are compared only with each other: 2**e stays
+            q = tl.where((r % 2 == 0)[:, None], hi, lo)
+        else:
+            q = tl.load(q_row + h[:, None] * stride_iq_h + d[None, :],
+                        mask=(h[:, None] < HIDX) & (d[None, :] < DI), other=0.0)
+            if DOT_F32:
+                q = q.to(tl.float32)
         srow = tl.load(table_rows_ptr + tl.load(token_seq_ptr + tok))
         bt_row = bt_ptr + srow.to(tl.int64) * stride_bt
         S = tl.full([CHUNK, HP], float("-inf"), tl.float32)
@@ -187,7 +197,8 @@ def _row_candidates(
             if DOT_F32:
                 sc = tl.dot(kt.to(tl.float32), tl.trans(q), input_precision="ieee")
             elif FP8_DOT:
-                sc = tl.dot(kt, tl.trans(q), tl.dot(kt, tl.trans(q_lo)))
+                sc_hi, sc_lo = tl.split(tl.reshape(tl.dot(kt, tl.trans(q)), [BLOCK_N, HP, 2]))
+                sc = sc_hi + sc_lo
             else:
                 sc = tl.dot(kt.to(q.dtype), tl.trans(q))
             bs = tl.max(tl.where(n[:, None] < page_size, sc, float("-inf")), axis=0)  # [HP]
@@ -334,6 +345,12 @@ def merge_piece(num_candidates: int, stable: bool) -> int:
     return 512 if stable else min(512, max(16, next_pow2(num_candidates)))
 
 
+def row_heads(num_index_heads: int, fp8_dot: bool) -> int:
+    """The one-token form's padded head count ``HP``: its dot has ``HP`` columns, or ``2 * HP``
+    with fp8 keys (each head's two query parts), and ``tl.dot`` needs at least 16."""
+    return pad_dim(num_index_heads, 8 if fp8_dot else 16)
+
+
 # The one-token partial kernel's warps and pipeline depth: one warpgroup (a 128-key block is two
 # of wgmma's 64-row steps), three loads in flight. Measured on the H200 (decode 32 at 128K, fp8
 # keys): 4 stages or 8 warps no faster; two or four blocks per loop step (one 256- or 512-row
@@ -371,7 +388,8 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
             meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
             buf.slot_mapping, part)
     if tiles is None and block_t == 1:  # one token per program: its keys are the dot's rows
-        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, HP=pad_dim(H), **common, **ROW_CONFIG)
+        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, HP=row_heads(H, fp8_dot), **common,
+                                             **ROW_CONFIG)
     else:
         # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
         # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad the tile to 64.
@@ -379,7 +397,7 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
         _partial_kernel[(programs, nc)](
             *args, T, meta.page_size, nc, buf.token_seq if tiles is None else tiles, BLOCK_T=block_t,
             BLOCK_M=block_m, TILED=tiles is not None, FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
-            HP=pad_dim(H), **common, num_warps=4 if block_m <= 64 else 8, num_stages=3,
+            HP=row_heads(H, fp8_dot), **common, num_warps=4 if block_m <= 64 else 8, num_stages=3,
         )
     block_c = merge_piece(nc * kp, stable=keep_all)
     _merge_kernel[(T, H)](
@@ -515,4 +533,4 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
 
 
 __all__ = ["TILED_CHUNK", "decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill",
-           "index_topk_prefill_tiled", "merge_piece", "tile_block_t", "ROW_CONFIG"]
+           "index_topk_prefill_tiled", "merge_piece", "row_heads", "tile_block_t", "ROW_CONFIG"]

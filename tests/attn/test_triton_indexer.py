@@ -171,7 +171,7 @@ def test_kernels_compile_for_hopper():
         bm = max(64 if fp8 else 16, 1 << (bt * h - 1).bit_length())  # as _launch pads
         c = dict(HIDX=h, DI=di, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=di, CHUNK=chunk,
                  KP=chunk if keep_all else min(15, chunk), DOT_F32=f32, TILED=keep_all, FULL_PAGE=bn == 128,
-                 FP8_DOT=fp8, HP=max(16, h))
+                 FP8_DOT=fp8, HP=indexer_triton.row_heads(h, fp8))
         ptrs = dict(IDX_PTRS, **({"iq_ptr": "fp32", "ik_ptr": "fp32"} if f32 else {}),
                     **({"ik_ptr": "fp8e4nv"} if fp8 else {}))
         return ["attention.kernels.indexer", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8, 3]
@@ -181,7 +181,8 @@ def test_kernels_compile_for_hopper():
         return ["attention.kernels.indexer", "_merge_kernel", c, IDX_PTRS, [], 1, 3]
 
     def row(h, chunk, fp8=False):  # the one-token (decode rows) kernel, as _launch runs it
-        c = dict(HIDX=h, DI=128, HP=max(16, h), BLOCK_N=128, BLOCK_D=128, CHUNK=chunk, KP=min(15, chunk),
+        c = dict(HIDX=h, DI=128, HP=indexer_triton.row_heads(h, fp8), BLOCK_N=128, BLOCK_D=128, CHUNK=chunk,
+                 KP=min(15, chunk),
                  DOT_F32=False, FP8_DOT=fp8)
         ptrs = dict(IDX_PTRS, **({"ik_ptr": "fp8e4nv"} if fp8 else {}))
         return ["attention.kernels.indexer", "_row_partial_kernel", c, ptrs, [], indexer_triton.ROW_CONFIG["num_warps"],
