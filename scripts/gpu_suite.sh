@@ -46,6 +46,13 @@ status=0
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
 } 2>&1 | tee "$LOG"
+# One Triton and flashinfer cache for every part (graphcap's default places), whatever
+# GRAPHCAP_CACHE_DIR a part sets for its kernel choices.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.cache/graphcap/triton}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME/.cache/graphcap/flashinfer}
+fresh_choices() {  # CHOICES: an empty graphcap cache directory (kernel choices only) for run $1
+  CHOICES=/tmp/graphcap_choices_$1; rm -rf "$CHOICES"; mkdir -p "$CHOICES"
+}
 budget() {  # per-part time box in seconds: PART_TIMEOUT_<PART> or the default
   local v="PART_TIMEOUT_${1^^}"; v=${v//[^A-Z0-9_]/_}; echo "${!v:-${PART_TIMEOUT:-900}}"
 }
@@ -89,11 +96,16 @@ for part in "${parts[@]}"; do
                   $T python3 -m torch.distributed.run --nproc-per-node "$NGPU" examples/serve_sim.py --preset real --layers $L --tp "$NGPU" --modes decode,full_and_piecewise --requests 24 --concurrency 16 --prompt-len 200:800 --output-len 32:64 --chunk 512 --json "$OUT/serve_sim_real${L}_tp${NGPU}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 fi ;;
     producers)  $T python3 benchmarks/bench_m3_producers.py --json "$OUT/bench_m3_producers.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    steps)      rc=0
+    steps)      # Each run tunes its own kernel choices (an empty choice file of its own; the compiled
+                # kernels stay shared): a run that read the other's stored choices would time
+                # the other checkout's tuner, not its own.
+                rc=0
                 if [ -d .baseline ]; then  # the earlier checkout's packages first on the path, not this one's
-                  PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} $T python3 benchmarks/bench_steps.py --label before ${STEPS_ARGS:-} --json "$OUT/bench_steps_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+                  fresh_choices before
+                  PYTHONPATH=$PWD/.baseline:${PYTHONPATH#"$PWD":} GRAPHCAP_CACHE_DIR=$CHOICES $T python3 benchmarks/bench_steps.py --label before ${STEPS_ARGS:-} --json "$OUT/bench_steps_before.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
                 fi
-                $T python3 benchmarks/bench_steps.py --label after ${STEPS_ARGS:-} --json "$OUT/bench_steps_after${STEPS_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
+                fresh_choices after
+                GRAPHCAP_CACHE_DIR=$CHOICES $T python3 benchmarks/bench_steps.py --label after ${STEPS_ARGS:-} --json "$OUT/bench_steps_after${STEPS_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
     routing)    # 60-layer steps under three routings, side by side: the uncalibrated random router
                 # (concentrated: earlier figures), the calibrated router, the uniform simulation
                 rc=0

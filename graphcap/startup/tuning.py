@@ -99,13 +99,19 @@ class KernelTuner:
         return None if choice is None else choice.chosen
 
     def choose(self, op: str, key: Hashable, candidates: Mapping[str, Callable[[], torch.Tensor]],
-               reference: Callable[[], torch.Tensor], tol: float, signature: str = "") -> str:
+               reference: Callable[[], torch.Tensor], tol: float, signature: str = "",
+               timed: Mapping[str, Callable[[], object]] | None = None, calls_per_timed: int = 1) -> str:
         """Validate every candidate against ``reference`` on its probe input, pick the fastest
         passing one (in ``candidates`` order when not timing), remember and return its name.
 
         Each callable runs the op on the same probe input and returns the output tensor. With a
         store, a stored choice for ``(op, key, signature)`` (``signature``: the shapes and
         dtypes the key leaves out) is validated alone and used when it passes.
+
+        ``timed[name]``, where given, is what is timed for a validated candidate in place of
+        ``candidates[name]``: ``calls_per_timed`` calls of the same kernel, e.g. over several
+        layers' weights, so that an op whose one weight fits in L2 is timed reading from HBM
+        as the model runs it (timings are per call).
 
         Raises:
             RuntimeError: no candidate matches the reference (the op cannot run correctly).
@@ -124,9 +130,13 @@ class KernelTuner:
                    if name not in choice.rejected and self._passes(name, run, want, tol, choice)]
         if not passing:
             raise RuntimeError(f"no candidate of {op} for {key!r} matches the reference: {choice.rejected}")
+        if calls_per_timed < 1:
+            raise ValueError(f"calls_per_timed must be >= 1, got {calls_per_timed}")
         for name in passing:
+            run = (timed or {}).get(name, candidates[name])
+            calls = calls_per_timed if timed is not None and name in timed else 1
             choice.timings_us[name] = (
-                self._time(candidates[name]) if self.time_candidates and len(passing) > 1 else None
+                self._time(run) / calls if self.time_candidates and len(passing) > 1 else None
             )
         timed = {n: t for n, t in choice.timings_us.items() if t is not None}
         choice.chosen = min(timed, key=timed.__getitem__) if timed else passing[0]
@@ -156,7 +166,7 @@ class KernelTuner:
             choice.rejected[name] = f"relative error {err:.3g} > {tol:g} against the reference"
         return False
 
-    def _time(self, run: Callable[[], torch.Tensor]) -> float:
+    def _time(self, run: Callable[[], object]) -> float:
         """Median GPU time of ``run`` in us, from CUDA-graph replays (the way the candidate will
         run: timing eager launches would rank small-shape candidates by their host overhead);
         eager launches when the candidate cannot be captured."""

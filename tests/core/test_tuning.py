@@ -33,6 +33,22 @@ def test_no_valid_candidate_raises():
         KernelTuner(time_candidates=False).choose("op", 4, {"bad": lambda: x + 1}, lambda: x, 1e-3)
 
 
+def test_timed_runs_replace_the_candidate_when_timing(monkeypatch):
+    """``timed`` is what is timed (e.g. the op over several layers' weights), divided by its
+    calls; validation still runs the candidate itself."""
+    ran: list[str] = []
+    monkeypatch.setattr(KernelTuner, "_time", lambda self, run: (run(), 40.0)[1])
+    x = torch.randn(8)
+    cands = {"a": lambda: ran.append("a") or x * 2, "b": lambda: ran.append("b") or x + x}
+    timed = {"a": lambda: ran.append("a x4")}
+    tuner = KernelTuner(time_candidates=True)
+    assert tuner.choose("op", 8, cands, lambda: x * 2, 1e-6, timed=timed, calls_per_timed=4) == "a"
+    assert ran == ["a", "b", "a x4", "b"]  # validated as themselves, "a" timed through its timed run
+    assert tuner.choices[("op", 8)].timings_us == {"a": 10.0, "b": 40.0}
+    with pytest.raises(ValueError, match="calls_per_timed"):
+        tuner.choose("op", 9, cands, lambda: x * 2, 1e-6, timed=timed, calls_per_timed=0)
+
+
 @pytest.mark.cuda
 def test_fastest_passing_candidate_wins_on_gpu():
     x = torch.randn(4096, 4096, device="cuda")

@@ -379,6 +379,36 @@ def test_cuda_mxfp8_replays_equal_padded_eager_and_track_bf16():
     assert agree / total >= 0.9, f"greedy agreement with bf16 on the dequantised weights {agree}/{total}"
 
 
+def test_fused_linear_times_each_candidate_over_several_layers_weights(monkeypatch):
+    """One layer's projection weight fits in L2, so the tuner times a candidate over as many
+    layers' weights of that shape as ``TIMED_WEIGHT_BYTES`` asks for (all there are where fewer),
+    and reports the time per call; validation still runs on the first layer's weight."""
+    import models.minimax_m3.ops as ops_mod
+    from graphcap.startup.tuning import KernelTuner
+
+    model = MiniMaxM3ForCausalLM(TINY8, device=DEV, producer="triton")
+    model.init_random_(0, balance_routing=False)
+    by_shape: dict[tuple[int, int], list[MXFP8Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, MXFP8Linear):
+            by_shape.setdefault((m.out_features, m.in_features), []).append(m)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    per = qkv.weight.numel() * qkv.weight.element_size() + qkv.weight_scale_inv.numel()
+    monkeypatch.setattr(ops_mod, "TIMED_WEIGHT_BYTES", 2 * per - 1)  # two qkv weights
+    assert len(by_shape[(qkv.out_features, qkv.in_features)]) > 2
+    lengths: list[int] = []
+    monkeypatch.setattr(KernelTuner, "_time", lambda self, run: lengths.append(len(run())) or 12.0)
+    model.ops.tuner.time_candidates = True
+    model.ops.linear.choose(model, 3)
+    for (n, k), mods in by_shape.items():
+        want = len(ops_mod.cold_rotation(mods))
+        assert want == min(len(mods), -(-(2 * per - 1) // (mods[0].weight.numel() + mods[0].weight_scale_inv.numel())))
+        c = model.ops.tuner.choices[(FusedLinear.OP, (n, k, 3))]
+        assert c.rejected == {} and all(t == 12.0 / want for t in c.timings_us.values()), (n, k, c.timings_us)
+    assert len(ops_mod.cold_rotation(by_shape[(qkv.out_features, qkv.in_features)])) == 2
+    assert set(lengths) == {len(ops_mod.cold_rotation(m)) for m in by_shape.values()}
+
+
 def test_fused_linear_validates_the_fp8_kernel_and_runs_it_where_chosen():
     """The fused op table's linear: the tuner validates the fp8 kernel (interpreter here) against
     the module's dequantise + F.linear; at a row count where the kernel won it runs it, elsewhere
