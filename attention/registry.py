@@ -19,7 +19,7 @@ from .dims import AttentionDims
 
 
 def _flashinfer_split(cache: PagedKVCache, dims: AttentionDims,
-                      prefill_attention: str = "per_token") -> AttentionBackend:
+                      prefill_attention: str = "blocks") -> AttentionBackend:
     """flashinfer for the dense layers, Triton for the sparse ones."""
     from .backends.flashinfer import FlashinferAttention
     from .backends.split import LayerSplit
@@ -29,10 +29,10 @@ def _flashinfer_split(cache: PagedKVCache, dims: AttentionDims,
                       sparse=TritonAttention(cache, dims, prefill_attention=prefill_attention))
 
 
-def _triton_tiles(cache: PagedKVCache, dims: AttentionDims) -> AttentionBackend:
+def _triton_prefill(cache: PagedKVCache, dims: AttentionDims, prefill_attention: str) -> AttentionBackend:
     from .backends.triton import TritonAttention
 
-    return TritonAttention(cache, dims, prefill_attention="tiles")
+    return TritonAttention(cache, dims, prefill_attention=prefill_attention)
 
 
 # kind -> "module:Class" or a builder ``(cache, dims) -> backend``. The registration point.
@@ -42,8 +42,12 @@ BACKENDS: dict[str, str | Callable[[PagedKVCache, AttentionDims], AttentionBacke
     "flashinfer": _flashinfer_split,
     # prefill sparse attention in token tiles (TritonAttention's module docstring: faster when
     # neighbouring tokens select the same blocks, slower when they do not)
-    "triton_tiles": _triton_tiles,
+    "triton_tiles": functools.partial(_triton_prefill, prefill_attention="tiles"),
     "flashinfer_tiles": functools.partial(_flashinfer_split, prefill_attention="tiles"),
+    # prefill sparse attention one token per program (the default before the block-major
+    # kernel, attention.kernels.sparse_blocks)
+    "triton_per_token": functools.partial(_triton_prefill, prefill_attention="per_token"),
+    "flashinfer_per_token": functools.partial(_flashinfer_split, prefill_attention="per_token"),
 }
 # What "auto" tries on a CUDA cache, in order; "torch" otherwise.
 AUTO_ORDER: tuple[str, ...] = ("flashinfer", "triton")

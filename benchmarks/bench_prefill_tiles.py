@@ -12,6 +12,9 @@ eager launches, so host launch gaps count) and the same ops replayed as one CUDA
 - ``tiled``: ``index_topk_prefill_tiled`` / ``sparse_attention_prefill_tiled`` with the
   default tile sizes (the attention: every tile in ``TILE_SPLITS`` programs of one launch,
   and their merge; ``nsplit=1``: one program per tile);
+- ``block-major``: ``sparse_blocks.sparse_attention_prefill_blocks`` (one program per tile of the
+  queries that selected a key block), and on the first selection with bf16 partials and in
+  its persistent form;
 - sweeps: other tile sizes (``bt=``) and the indexer's chunk.
 The attention runs on four selections: the indexer's on random data (neighbouring tokens
 pick unrelated blocks: the worst case for tiles) and ``shared8/32/128`` (runs of 8, 32 or 128
@@ -109,7 +112,7 @@ class Step:
 
 
 def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict]:
-    from attention.kernels import indexer, sparse
+    from attention.kernels import indexer, sparse, sparse_blocks
     from attention.kernels.tiles import TilePlanner
 
     timer = Timer(a.smoke, a.warmup_ms, a.rep_ms)
@@ -164,6 +167,8 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
 
     # ---- sparse attention
     bt_att = sparse.default_block_t(d.num_qo_heads // d.num_kv_heads)
+    block_planner = sparse_blocks.BlockPlanner(st.builder.max_seqs, st.cache.block_tables.numel(), device)
+    blocks = sparse_blocks.sparse_attention_prefill_blocks
     for sel, tag in patterns if not a.indexer_only else []:
         ref_out = torch.empty_like(st.out)
         sparse.sparse_attention_prefill(st.q, st.k, st.v, sel, meta, ref_out, st.scale, block_t=1)
@@ -176,6 +181,26 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
 
         att_row("untiled bt=1", lambda sel=sel: sparse.sparse_attention_prefill(st.q, st.k, st.v, sel, meta, st.out,
                                                                                 st.scale, block_t=1), 1)
+        block_plan = block_planner.plan(meta)
+        # the default; bf16 partial outputs (less traffic through the merge, more rounding);
+        # the persistent form (a fixed grid striding over the tiles, loads pipelined)
+        variants = [("", {}), (" bf16 partials", {"PARTIALS": {torch.bfloat16: torch.bfloat16}}),
+                    # 197 KB of shared memory with 2 stages: one program an SM; 82 KB with one
+                    (" persistent 1/SM 2 stages", {"PERSISTENT_PER_SM": 1,
+                                                   "ATTN_CONFIG": {"num_warps": 4, "num_stages": 2}}),
+                    (" persistent 2/SM", {"PERSISTENT_PER_SM": 2, "ATTN_CONFIG": {"num_warps": 4, "num_stages": 1}})]
+        for label, settings in variants:
+            if label and (over_budget() or tag != "indexer"):
+                continue
+            saved = {name: getattr(sparse_blocks, name) for name in settings}
+            for name, value in settings.items():
+                setattr(sparse_blocks, name, value)
+            try:
+                att_row("block-major" + label, lambda sel=sel, plan=block_plan: blocks(
+                    st.q, st.k, st.v, sel, meta, st.out, st.scale, plan), 4)  # zeroed counts, buckets, blocks, merge
+            finally:
+                for name, value in saved.items():
+                    setattr(sparse_blocks, name, value)
         for bt in (bt_att, bt_att // 2, bt_att * 2):
             if bt < 2 or (bt != bt_att and over_budget()):
                 continue

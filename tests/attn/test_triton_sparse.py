@@ -138,7 +138,8 @@ def test_gather_reference_matches_sparse_reference():
     assert rel_err(got, sc.sparse_ref(sel)) < 1e-5
 
 
-@pytest.mark.parametrize("decode,prefill_attention", [(False, "per_token"), (False, "tiles"), (True, "per_token")])
+@pytest.mark.parametrize("decode,prefill_attention", [(False, "per_token"), (False, "tiles"), (False, "blocks"),
+                                                       (True, "per_token"), (True, "blocks")])
 def test_backend_matches_torch_backend(decode, prefill_attention):
     specs = [(37, 1), (12, 1), (50, 1)] if decode else [(37, 9), (12, 1), (50, 2)]
     sc = Scenario(specs, 4, 2, 32, 4, 3, seed=50 + decode, dtype=torch.float32)

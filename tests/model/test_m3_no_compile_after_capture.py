@@ -27,6 +27,7 @@ def described(events) -> str:
 # (flashinfer has no kernels for its head_dim 32); rank-of-8 shapes (4 layers, one sparse) on
 # flashinfer's dense layers and the Triton sparse ones, as served.
 CASES = [("tiny", "triton", "full_and_piecewise"), ("tiny", "triton_tiles", "full_and_piecewise"),
+         ("tiny", "triton_per_token", "full_and_piecewise"),
          ("rank-of-8:4", "auto", "full_and_piecewise"), ("tiny", "triton", "decode"), ("rank-of-8:4", "auto", "decode")]
 
 
