@@ -71,6 +71,7 @@ class Step:
     def __init__(self, d: Dims, decodes: int, decode_ctx: int, chunk: int, chunk_start: int, device: str) -> None:
         from attention import metadata as md
         from kvcache.paged import KVCacheConfig, PagedKVCache
+        from steps import TokenChunk
 
         bs = d.block
         specs = [(decode_ctx, 1)] * (decodes // 2) + [(chunk_start + chunk, chunk)] + [(decode_ctx, 1)] * (
@@ -89,7 +90,7 @@ class Step:
         self.builder = md.MetadataBuilder(c, max_tokens=self.T, max_seqs=len(specs))
         for i, (n, q) in enumerate(specs):
             c.set_written(i, n - q)
-        chunks = [md.TokenChunk(i, n - q, [0] * q) for i, (n, q) in enumerate(specs)]
+        chunks = [TokenChunk(i, n - q, [0] * q) for i, (n, q) in enumerate(specs)]
         self.builder.check(chunks)
         self.meta = self.builder.build(chunks)
         self.chunk_rows = (decodes // 2, decodes // 2 + chunk)
@@ -182,13 +183,11 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
         att_row("untiled bt=1", lambda sel=sel: sparse.sparse_attention_prefill(st.q, st.k, st.v, sel, meta, st.out,
                                                                                 st.scale, block_t=1), 1)
         block_plan = block_planner.plan(meta)
-        # the default; bf16 partial outputs (less traffic through the merge, more rounding);
-        # the persistent form (a fixed grid striding over the tiles, loads pipelined)
-        variants = [("", {}), (" bf16 partials", {"PARTIALS": {torch.bfloat16: torch.bfloat16}}),
-                    # 197 KB of shared memory with 2 stages: one program an SM; 82 KB with one
-                    (" persistent 1/SM 2 stages", {"PERSISTENT_PER_SM": 1,
-                                                   "ATTN_CONFIG": {"num_warps": 4, "num_stages": 2}}),
-                    (" persistent 2/SM", {"PERSISTENT_PER_SM": 2, "ATTN_CONFIG": {"num_warps": 4, "num_stages": 1}})]
+        # the default (bf16 partial outputs for bf16 queries); fp32 partials (more traffic through
+        # the merge, less rounding); 16 pairs a tile (each block's K and V read half as often, two
+        # warpgroups a tile)
+        variants = [("", {}), (" fp32 partials", {"PARTIALS": {}}),
+                    (" 128-row tiles", {"BLOCK_M": 128, "ATTN_CONFIG": {"num_warps": 8, "num_stages": 1}})]
         for label, settings in variants:
             if label and (over_budget() or tag != "indexer"):
                 continue

@@ -202,8 +202,9 @@ def main() -> None:
 
 
 def _is_sparse_kernel(name: str) -> bool:
-    """The Triton sparse-attention kernels (``attention.kernels.indexer`` and ``.sparse``)."""
-    return any(k in name for k in ("_partial_kernel", "_merge_kernel", "_attn_kernel"))
+    """The Triton sparse-attention kernels (``attention.kernels.indexer``, ``.sparse`` and
+    ``.sparse_blocks``)."""
+    return any(k in name for k in ("_partial_kernel", "_merge_kernel", "_attn_kernel", "_bucket_pairs_kernel"))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
   blocks than top-k, hot blocks selected by every token), selections with duplicates across
   tokens, padded rows left unwritten, a second step on the same planner;
 - compiled for Hopper at rank-of-8 shapes (no GPU needed);
-- on a GPU, the rank-of-8 mixed step at 8K and 64K, random and shared selections, against the
+- on a GPU, the rank-of-8 mixed step at 8K, 64K and 128K, random and shared selections, against the
   per-token kernel and the reference.
 """
 
@@ -68,13 +68,10 @@ def test_block_major_matches_reference_and_per_token(name):
     assert rel_err(out[: sc.T], per_token[: sc.T].float()) < 1e-5
 
 
-@pytest.mark.parametrize("persistent_per_sm", [0, 1])
-def test_hot_blocks_fill_several_tiles_and_planner_reuse(persistent_per_sm, monkeypatch):
+def test_hot_blocks_fill_several_tiles_and_planner_reuse():
     """Every token of a long chunk selects block 0 and its local block (buckets of more pairs
     than one tile holds: 16 q heads a kv head, 4 pairs a tile), then a second, different step
-    on the same planner; one tile a program, and the persistent form (4 programs on the
-    interpreter's 4 "SMs" striding over more tiles)."""
-    monkeypatch.setattr(sparse_blocks, "PERSISTENT_PER_SM", persistent_per_sm)
+    on the same planner."""
     sc = Scenario([(20, 1), (70, 40), (33, 1)], hq=32, hkv=2, d=16, bs=4, topk=3, seed=3)
     planner = planner_for(sc)
     sel = sc.ref_selection()
@@ -114,13 +111,21 @@ def test_selections_past_a_request_or_repeated_stay_in_the_request():
     assert out[chunk[0]].isfinite().all()
 
 
-def test_bf16_and_rejects_bad_arguments():
+def test_bf16_and_rejects_bad_arguments(monkeypatch):
+    """bf16 queries keep bf16 partial outputs (the default) or fp32 ones: both within bf16's
+    bound of the reference, and of each other."""
     sc = Scenario(MIXED, hq=6, hkv=2, d=32, bs=8, topk=4, seed=7, dtype=torch.bfloat16)
     sel = sc.ref_selection()
     plan = planner_for(sc).plan(sc.meta)
+    assert sparse_blocks.PARTIALS[torch.bfloat16] == torch.bfloat16
     out = sc.poisoned_out()
     sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel, sc.meta, out, sc.scale, plan)
     assert rel_err(out[: sc.T], sc.sparse_ref(sel)) < 1e-2
+    monkeypatch.setattr(sparse_blocks, "PARTIALS", {})
+    out32 = sc.poisoned_out()
+    sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel, sc.meta, out32, sc.scale, plan)
+    assert rel_err(out32[: sc.T], sc.sparse_ref(sel)) < 1e-2
+    assert rel_err(out[: sc.T], out32[: sc.T].float()) < 1e-2
     with pytest.raises(ValueError, match="BlockPlan of this step"):
         sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel, sc.meta, out, sc.scale, None)
     other = Scenario([(9, 2)], hq=6, hkv=2, d=32, bs=8, topk=4, seed=8, dtype=torch.bfloat16)
@@ -137,12 +142,11 @@ def test_block_major_kernels_compile_for_hopper():
             "pos_ptr": "i64", "bucket_req_ptr": "i32", "tiles_ptr": "i32"}
     m = "attention.kernels.sparse_blocks"
     g = RANK8["hq"] // RANK8["hkv"]
-    attn = dict(G=g, D=128, TOPK=16, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128, DOT_F32=False, PERSISTENT=False)
+    attn = dict(G=g, D=128, TOPK=16, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128, DOT_F32=False)
     cases = [
         [m, "_bucket_pairs_kernel", dict(G=g, TOPK=16, K_PAD=16, BLOCK_T=64), ptrs, [], 4, 3],
         [m, "_block_attn_kernel", attn, ptrs, ["qk_scale"], 4, 1],
         [m, "_block_attn_kernel", attn, dict(ptrs, k_ptr="fp8e4nv", v_ptr="fp8e4nv"), ["qk_scale"], 4, 1],
-        [m, "_block_attn_kernel", dict(attn, PERSISTENT=True), ptrs, ["qk_scale"], 4, 2],
     ]
     reports = run_compile_reports(cases)
     assert all(r["wgmma"] for r in reports[1:]), "the block's dots should use Hopper wgmma"
