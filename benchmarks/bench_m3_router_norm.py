@@ -76,7 +76,7 @@ def routing_agreement(got, want) -> str:
 
 
 def bench_router(T: int, H: int, E: int, K: int, timer: GraphTimer, device: str, compiled) -> list[Row]:
-    from models.minimax_m3.kernels.router import route_torch, route_triton
+    from models.minimax_m3.kernels.router import CUBLAS_MIN_TOKENS, RouterConfig, route_torch, route_triton
 
     g = torch.Generator(device=device).manual_seed(T)
     x = torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
@@ -85,6 +85,10 @@ def bench_router(T: int, H: int, E: int, K: int, timer: GraphTimer, device: str,
     nrt = torch.tensor([T], dtype=torch.int64, device=device)
     bytes_ = E * H * 4 + T * H * 2 + T * K * 12
     impls = [("triton", route_triton), ("torch", route_torch)]
+    if T >= CUBLAS_MIN_TOKENS:  # the logits from cuBLAS SGEMM (the earlier path), then the top-k kernel
+        sgemm = RouterConfig(block_t=16, block_e=16, block_h=16, h_per_split=H, splits=1, gemv_warps=4, topk_warps=1,
+                             cublas=True)
+        impls.insert(1, ("triton sgemm", lambda *a: route_triton(*a, config=sgemm)))
     if compiled is not None:
         impls.append(("torch.compile", compiled))
     outs, rows = {}, []

@@ -9,6 +9,8 @@ capture -> new inputs -> replay test.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.paged import DEV
@@ -213,10 +215,13 @@ def test_router_config_spreads_the_weight_read():
     """At the real shape even one token reads the 3 MB weight with >= ~100 programs, and the
     token tile grows with T so the weight is read once per 64 tokens."""
     E, H, sms = 128, 6144, 132
-    for T in (1, 2, 8, 32, 64, 1054):
+    for T in (1, 2, 8, 32, 64, 300, 1054):
+        big = T >= rk.CUBLAS_MIN_TOKENS and DEV == "cuda"  # the interpreter keeps the Triton GEMV
+        assert rk.router_config(T, E, H, sms, torch.float32).cublas == big  # fp32 x: cuBLAS SGEMM
         c = rk.router_config(T, E, H, sms)
-        assert c.cublas == (T >= rk.CUBLAS_MIN_TOKENS and DEV == "cuda")  # the interpreter keeps the Triton GEMV
-        if c.cublas:
+        assert c.bf16_split == big and not c.cublas  # bf16 x: the three-part bf16 dot
+        if c.bf16_split:  # one build for every prefill size: nothing compiles after capture
+            assert c == rk.bf16_split_config(E, H) and c.splits == 8
             continue
         programs = -(-E // c.block_e) * c.splits * -(-T // c.block_t)
         assert programs >= 96, (T, c)
@@ -232,6 +237,30 @@ def test_cublas_logits_path_matches_fp64():
                           cublas=True)
     got = case.run(rk.route_triton, K, 2.0, T - 3, 4, 8, config=cfg)
     check_route(got, case.ref(K, 2.0, T - 3, 4, 8), K)
+
+
+@pytest.mark.parametrize("T", [33, 70])
+def test_bf16_split_logits_match_fp64(T):
+    """bf16 x against the fp32 weight as three bf16 parts: the logits within fp32 rounding of
+    the fp64 ones (not bf16's or tf32's: the weights here need all their bits), then the same
+    routing as the fp64 reference; refused for activations that are not bf16."""
+    H, E, K = 256, 16, 4
+    case = RouteCase(T, H, E, seed=T + 5)
+    g = torch.Generator(device=DEV).manual_seed(T)
+    case.w += torch.randn(case.w.shape, generator=g, device=DEV) * 2.0**-12  # bits a bf16 or tf32 weight drops
+    cfg = dataclasses.replace(rk.bf16_split_config(E, H), h_per_split=128, splits=2)  # partials summed too
+    assert cfg.bf16_split and cfg.block_t == 64
+    part = rk.router_logit_partials(case.x, case.w, cfg)
+    ref = case.x.double() @ case.w.double().T
+    scale = case.x.double().abs() @ case.w.double().abs().T
+    err = ((part.double().sum(0) - ref).abs() / scale).max().item()
+    assert err < 2e-6, err  # H * 2^-24 would be 1.5e-5; a bf16 weight alone errs ~2^-9
+    bf16_w = ((case.x.double() @ case.w.bfloat16().double().T - ref).abs() / scale).max().item()
+    assert bf16_w > 50 * err, (bf16_w, err)  # the check can tell three parts from one
+    got = case.run(rk.route_triton, K, 2.0, T - 3, 4, 8, config=cfg)
+    check_route(got, case.ref(K, 2.0, T - 3, 4, 8), K)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        rk.router_logit_partials(case.x.float(), case.w, cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,7 +383,7 @@ ROUTER_PTRS = {"x_ptr": "bf16", "w_ptr": "fp32", "part_ptr": "fp32", "bias_ptr":
 def router_cases(T):
     c = rk.router_config(T, REAL_E, REAL_H, H200_SMS)
     gemv = {"E": REAL_E, "H": REAL_H, "BLOCK_T": c.block_t, "BLOCK_E": c.block_e, "BLOCK_H": c.block_h,
-            "H_PER_SPLIT": c.h_per_split}
+            "H_PER_SPLIT": c.h_per_split, "BF16_SPLIT": c.bf16_split, "DOT_F32": False}
     topk = {"E": REAL_E, "K": REAL_K, "E_PAD": REAL_E, "K_PAD": REAL_K, "SPLITS": c.splits,
             "SPLITS_PAD": max(2, 1 << (c.splits - 1).bit_length()), "HAS_NRT": True, "HAS_GLOBAL": True}
     mod = "models.minimax_m3.kernels.router"
@@ -368,13 +397,23 @@ def norm_case(H, fused):
             {}, ["eps"], warps, 3]
 
 
+def bf16_split_case(T):
+    c = rk.bf16_split_config(REAL_E, REAL_H)
+    assert (c.splits, c.h_per_split, c.block_t, c.block_e) == (8, 768, 64, 64)  # the config timed on the H100
+    gemv = {"E": REAL_E, "H": REAL_H, "BLOCK_T": c.block_t, "BLOCK_E": c.block_e, "BLOCK_H": c.block_h,
+            "H_PER_SPLIT": c.h_per_split, "BF16_SPLIT": True, "DOT_F32": False}
+    return ["models.minimax_m3.kernels.router", "_router_logits_kernel", gemv, ROUTER_PTRS, [], c.gemv_warps, 3]
+
+
 def test_kernels_compile_for_hopper():
     cases = router_cases(1) + router_cases(8) + router_cases(1054)
     cases += [norm_case(REAL_H, False), norm_case(REAL_H, True), norm_case(3 * REAL_H, True)]
+    cases.append(bf16_split_case(1054))
     reports = run_compile_reports(cases)
     for case, rep in zip(cases, reports):
         assert rep["spill_bytes"] == 0, (case[1], case[2], rep)
         assert rep["regs"] <= 128, (case[1], case[2], rep)  # >= 2 programs of 4 warps per SM
+    assert reports[-1]["wgmma"], "the three-part bf16 dot should use Hopper wgmma"
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,6 +445,27 @@ def test_cuda_route_real_shapes(T):
         sel32 = torch.sigmoid(case.x.float() @ case.w.T) + case.b
         same_routing(got, want, sel32, REAL_K)
         assert not got[1].isnan().any() and (got[0] != POISON_ID).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [128, 1054])
+def test_cuda_bf16_split_logits_as_accurate_as_an_fp32_gemm(T):
+    """Prefill-sized bf16 steps take the three-part bf16 dot: its logits are as close to the
+    fp64 ones as cuBLAS SGEMM's (the earlier path) or closer, far closer than a bf16 weight's
+    (chaining the whole split in the MMA accumulator failed this: 3.6x SGEMM's error)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    case = RouteCase(T, REAL_H, REAL_E, seed=T + 1)
+    cfg = rk.router_config(T, REAL_E, REAL_H, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cfg.bf16_split
+    ref = case.x.double() @ case.w.double().T
+    split = rk.router_logit_partials(case.x, case.w, cfg).sum(0)
+    sgemm = case.x.float() @ case.w.T
+    bf16_w = case.x.double() @ case.w.bfloat16().double().T
+    e_split, e_sgemm, e_bf16 = ((v.double() - ref).abs().max().item() for v in (split, sgemm, bf16_w))
+    print(f"T={T}: max |logit - fp64| three-part bf16 {e_split:.2e}, cuBLAS SGEMM {e_sgemm:.2e}, bf16 weight "
+          f"{e_bf16:.2e}")
+    assert e_split <= 2 * e_sgemm, (e_split, e_sgemm)
+    assert e_bf16 > 30 * e_split, (e_bf16, e_split)
 
 
 @pytest.mark.cuda

@@ -13,7 +13,10 @@ Kernels:
   scores flip near-tied expert choices). Even one token spreads the 3 MB fp32 weight read
   over ~100-250 programs by splitting E and H; every program writes its fp32 partial logits
   to a scratch ``[splits, T, E]``. Large T is tiled as well (up to 64 tokens per program),
-  so the weight is read once per token tile rather than once per token.
+  so the weight is read once per token tile rather than once per token. From
+  ``CUBLAS_MIN_TOKENS`` tokens (prefill-sized steps) bf16 activations take three bf16
+  tensor-core dots against the weight split into three bf16 parts in registers (products
+  exact, fp32 sums: an fp32 dot's accuracy), other dtypes one cuBLAS SGEMM.
 - ``_router_topk_kernel``, grid (token): sums the partials in a fixed order (one reduction
   tree over the splits, the same on every run: deterministic), sigmoid, bias, top-k by ``K``
   rounds of max (ties go to the lower expert id), renormalisation, scale, padding and the
@@ -63,15 +66,23 @@ class RouterConfig:
     gemv_warps: int
     topk_warps: int
     cublas: bool = False  # logits from one cuBLAS SGEMM (true fp32) instead of the Triton GEMV
+    bf16_split: bool = False  # token tiles as three bf16 tensor-core dots (bf16 x; see the kernel)
 
-#: From this many tokens the logits come from cuBLAS: the GEMM is then compute-bound in fp32
-#: (1.7 GFLOP at 1054 tokens), where the Triton FMA dot measured 318 us per layer on an H200
-#: against ~50 us for cuBLAS SGEMM (tf32 stays off: ``torch.backends.cuda.matmul.allow_tf32``).
+#: From this many tokens the GEMM is compute-bound in fp32 (1.7 GFLOP at 1054 tokens), where
+#: the Triton FMA dot measured 318 us per layer on an H200 against ~50 us for cuBLAS SGEMM (tf32
+#: stays off: ``torch.backends.cuda.matmul.allow_tf32``). bf16 activations then take the
+#: three-part bf16 dot (``bf16_split``; H100, 1054 tokens, routing with the top-k kernel 43.8
+#: us against 85.1 with SGEMM logits), others cuBLAS.
 CUBLAS_MIN_TOKENS = 128
+#: Whether bf16 activations at ``CUBLAS_MIN_TOKENS`` or more take the three-part bf16 dot.
+BF16_SPLIT = True
+#: Hidden columns a program of the three-part bf16 dot sums (see :func:`bf16_split_config`).
+BF16_SPLIT_COLUMNS = 768
 
 
-def router_config(T: int, E: int, H: int, sms: int) -> RouterConfig:
-    """Pick the tiles from the shapes only (so a captured graph keeps its grid).
+def router_config(T: int, E: int, H: int, sms: int, x_dtype: torch.dtype = torch.bfloat16) -> RouterConfig:
+    """Pick the tiles from the shapes and the activations' dtype only (so a captured graph
+    keeps its grid).
 
     The GEMV is memory-bound. At T <= 2 every program reads one [16, 256] weight tile (16 KB,
     all loads issued at once: the loop over H is not software-pipelined without a dot), so
@@ -94,10 +105,25 @@ def router_config(T: int, E: int, H: int, sms: int) -> RouterConfig:
     # 8 warps for the 64 x 64 token tile: at 4 warps its fp32 FMA dot spills a few registers.
     # Top-k: <= 32 partials per thread, all loaded at once.
     if T >= CUBLAS_MIN_TOKENS and not interpreting():
+        if BF16_SPLIT and x_dtype == torch.bfloat16:
+            return bf16_split_config(E, H)
         return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=H, splits=1, gemv_warps=4,
                             topk_warps=1, cublas=True)
     return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=h_per, splits=splits,
                         gemv_warps=8 if bt * be >= 4096 else 4, topk_warps=max(1, min(8, partials // 1024)))
+
+
+def bf16_split_config(E: int, H: int) -> RouterConfig:
+    """Tiles of the three-part bf16 dot, the same at every token count (one build serves every
+    prefill size, so no step compiles one after capture): 64 x 64 token x expert tiles (wgmma)
+    over 64 hidden columns a step, ``BF16_SPLIT_COLUMNS`` columns a program (M3's 6144 in 8
+    splits: a 1024-token chunk runs 16 x 2 x 8 = 256 programs, ~2 per SM)."""
+    bt, be, bh = 64, min(64, max(16, next_pow2(E))), 64
+    h_per = triton.cdiv(min(H, BF16_SPLIT_COLUMNS), bh) * bh
+    splits = triton.cdiv(H, h_per)
+    partials = max(2, next_pow2(splits)) * max(2, next_pow2(E))
+    return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=h_per, splits=splits, gemv_warps=4,
+                        topk_warps=max(1, min(8, partials // 1024)), bf16_split=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,9 +165,19 @@ def route_torch(
 def _router_logits_kernel(
     x_ptr, stride_x, w_ptr, part_ptr, T,
     E: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-    H_PER_SPLIT: tl.constexpr,
+    H_PER_SPLIT: tl.constexpr, BF16_SPLIT: tl.constexpr = False, DOT_F32: tl.constexpr = False,
 ):
-    """part[split, t, e] = sum over this split's hidden columns h of fp32(x[t, h]) * W[e, h]."""
+    """part[split, t, e] = sum over this split's hidden columns h of fp32(x[t, h]) * W[e, h].
+
+    ``BF16_SPLIT`` (bf16 x, token tiles): each fp32 weight tile is split in registers into
+    three bf16 parts, ``w = hi + mid + lo + r`` with ``|r| <= 2^-24 |w|`` (each part rounds what
+    the ones before left, 8 significant bits a part). bf16 x is exact as a bf16 operand, so the
+    three bf16 tensor-core dots form every product ``x * part`` exactly. Hopper's MMA
+    accumulator keeps fewer bits than an fp32 add, so each 64-column step's three dots start
+    from zero and their sum is added to the fp32 accumulator on the CUDA cores (one chain
+    through the whole split measured 3.6x cuBLAS SGEMM's error against fp64 at 1054 tokens;
+    promoted per step, 0.23x: 7.2e-7 against 3.1e-6, a bf16 weight 8.3e-3). ``DOT_F32``: the
+    same parts through fp32 dots (the interpreter, whose bf16 dots are not exact)."""
     pt = tl.program_id(0)  # token tiles first: programs sharing a weight tile run close together (L2)
     ps = tl.program_id(1)
     pe = tl.program_id(2)
@@ -162,7 +198,8 @@ def _router_logits_kernel(
             acc1 += tl.sum(wv * xv[None, :], axis=1)
         tl.store(part_ptr + (ps * T + pt) * E + e, acc1, mask=e_ok)
     else:
-        # A token tile: fp32 FMA dot (ieee: no tf32), the weight tile shared by BLOCK_T tokens.
+        # A token tile, the weight tile shared by BLOCK_T tokens: fp32 FMA dot (ieee: no tf32),
+        # or the three-part bf16 dot.
         t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
         x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_x
@@ -170,9 +207,24 @@ def _router_logits_kernel(
         for k in range(0, H_PER_SPLIT, BLOCK_H):
             h = h0 + k + hh
             h_ok = h < H
-            xt = tl.load(x_rows + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+            xt = tl.load(x_rows + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
             wt = tl.load(w_ptr + e[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-            acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
+            if BF16_SPLIT:
+                hi = wt.to(tl.bfloat16)
+                rest = wt - hi.to(tl.float32)  # exact in fp32, as is the next remainder
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                if DOT_F32:
+                    x32 = xt.to(tl.float32)
+                    acc = tl.dot(x32, tl.trans(lo.to(tl.float32)), acc, input_precision="ieee")
+                    acc = tl.dot(x32, tl.trans(mid.to(tl.float32)), acc, input_precision="ieee")
+                    acc = tl.dot(x32, tl.trans(hi.to(tl.float32)), acc, input_precision="ieee")
+                else:  # smallest part first, each step's sum added to acc on the CUDA cores
+                    step = tl.dot(xt, tl.trans(lo))
+                    step = tl.dot(xt, tl.trans(mid), step)
+                    acc += tl.dot(xt, tl.trans(hi), step)
+            else:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(wt), input_precision="ieee")
         tl.store(part_ptr + (ps * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
@@ -266,21 +318,8 @@ def route_triton(
     E = gate_weight.shape[0]
     if T == 0:
         return
-    cfg = config or router_config(T, E, H, num_sms(x.device))
-    _check_config(cfg, H)
-    if cfg.cublas:  # one fp32 GEMM (plus the upcast of x): the logits are the single "partial"
-        if torch.backends.cuda.matmul.allow_tf32:
-            raise RuntimeError("route_triton's cuBLAS path needs true fp32: torch.backends.cuda.matmul.allow_tf32 is "
-                               "on, which would round the router logits to tf32 and flip near-tied experts")
-        part = torch.nn.functional.linear(x.float(), gate_weight).unsqueeze(0)
-    else:
-        part = torch.empty((cfg.splits, T, E), dtype=torch.float32, device=x.device)
-        grid1 = (triton.cdiv(T, cfg.block_t), cfg.splits, triton.cdiv(E, cfg.block_e))
-        _router_logits_kernel[grid1](
-            x, x.stride(0), gate_weight, part, T,
-            E=E, H=H, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, H_PER_SPLIT=cfg.h_per_split,
-            num_warps=cfg.gemv_warps, num_stages=3,
-        )
+    cfg = config or router_config(T, E, H, num_sms(x.device), x.dtype)
+    part = router_logit_partials(x, gate_weight, cfg)
     nrt = num_real_tokens if num_real_tokens is not None else local_ids_out  # any pointer: unused
     glob = global_ids_out if global_ids_out is not None else local_ids_out
     _router_topk_kernel[(T,)](
@@ -291,6 +330,35 @@ def route_triton(
         HAS_GLOBAL=global_ids_out is not None,
         num_warps=cfg.topk_warps,
     )
+
+
+def router_logit_partials(x: Tensor, gate_weight: Tensor, cfg: RouterConfig) -> Tensor:
+    """The logits in ``cfg.splits`` fp32 partial sums: ``[splits, T, E]``, summing (in a fixed
+    order) to ``fp32(x) W^T``. x ``[T, H]`` (contiguous rows), gate_weight fp32 ``[E, H]``.
+
+    Raises:
+        ValueError: ``cfg`` does not tile H, or ``bf16_split`` with activations not bf16.
+        RuntimeError: the cuBLAS path with tf32 matmuls allowed.
+    """
+    T, H = x.shape
+    E = gate_weight.shape[0]
+    _check_config(cfg, H)
+    if cfg.bf16_split and x.dtype != torch.bfloat16:
+        raise ValueError(f"router config {cfg} splits the weight into bf16 parts, which is exact only for bf16 "
+                         f"activations; got {x.dtype} (use router_config(..., x_dtype))")
+    if cfg.cublas:  # one fp32 GEMM (plus the upcast of x): the logits are the single "partial"
+        if torch.backends.cuda.matmul.allow_tf32:
+            raise RuntimeError("route_triton's cuBLAS path needs true fp32: torch.backends.cuda.matmul.allow_tf32 is "
+                               "on, which would round the router logits to tf32 and flip near-tied experts")
+        return torch.nn.functional.linear(x.float(), gate_weight).unsqueeze(0)
+    part = torch.empty((cfg.splits, T, E), dtype=torch.float32, device=x.device)
+    grid1 = (triton.cdiv(T, cfg.block_t), cfg.splits, triton.cdiv(E, cfg.block_e))
+    _router_logits_kernel[grid1](
+        x, x.stride(0), gate_weight, part, T,
+        E=E, H=H, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, H_PER_SPLIT=cfg.h_per_split,
+        BF16_SPLIT=cfg.bf16_split, DOT_F32=interpreting(), num_warps=cfg.gemv_warps, num_stages=3,
+    )
+    return part
 
 
 def _check_config(cfg: RouterConfig, H: int) -> None:
