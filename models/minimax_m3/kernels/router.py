@@ -16,7 +16,8 @@ Kernels:
   so the weight is read once per token tile rather than once per token. From
   ``CUBLAS_MIN_TOKENS`` tokens (prefill-sized steps) bf16 activations take three bf16
   tensor-core dots against the weight split into three bf16 parts in registers (products
-  exact, fp32 sums: an fp32 dot's accuracy), other dtypes one cuBLAS SGEMM.
+  exact, each step's sum promoted to fp32: closer to the fp64 logits than SGEMM), other
+  dtypes one cuBLAS SGEMM.
 - ``_router_topk_kernel``, grid (token): sums the partials in a fixed order (one reduction
   tree over the splits, the same on every run: deterministic), sigmoid, bias, top-k by ``K``
   rounds of max (ties go to the lower expert id), renormalisation, scale, padding and the
@@ -170,13 +171,14 @@ def _router_logits_kernel(
     """part[split, t, e] = sum over this split's hidden columns h of fp32(x[t, h]) * W[e, h].
 
     ``BF16_SPLIT`` (bf16 x, token tiles): each fp32 weight tile is split in registers into
-    three bf16 parts, ``w = hi + mid + lo + r`` with ``|r| <= 2^-24 |w|`` (each part rounds what
-    the ones before left, 8 significant bits a part). bf16 x is exact as a bf16 operand, so the
-    three bf16 tensor-core dots form every product ``x * part`` exactly. Hopper's MMA
-    accumulator keeps fewer bits than an fp32 add, so each 64-column step's three dots start
-    from zero and their sum is added to the fp32 accumulator on the CUDA cores (one chain
-    through the whole split measured 3.6x cuBLAS SGEMM's error against fp64 at 1054 tokens;
-    promoted per step, 0.23x: 7.2e-7 against 3.1e-6, a bf16 weight 8.3e-3). ``DOT_F32``: the
+    three bf16 parts, ``w = hi + mid + lo + r`` with ``|r| <= 2^-27 |w|`` (each part rounds what
+    the ones before left to 8 significant bits; the interpreter truncates: ``2^-21``). bf16 x
+    is exact as a bf16 operand, so the three bf16 tensor-core dots form every product
+    ``x * part`` exactly. Hopper's MMA accumulator keeps fewer bits than an fp32 add, so each
+    64-column step's three dots start from zero and their sum is added to the fp32
+    accumulator on the CUDA cores (one chain through the whole split measured 3.6x cuBLAS
+    SGEMM's error against fp64 at 1054 tokens; promoted per step, 0.23x: 7.2e-7 against
+    3.1e-6, a bf16 weight 8.3e-3). ``DOT_F32``: the
     same parts through fp32 dots (the interpreter, whose bf16 dots are not exact)."""
     pt = tl.program_id(0)  # token tiles first: programs sharing a weight tile run close together (L2)
     ps = tl.program_id(1)
