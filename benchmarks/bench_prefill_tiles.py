@@ -13,8 +13,8 @@ eager launches, so host launch gaps count) and the same ops replayed as one CUDA
   default tile sizes (the attention: every tile in ``TILE_SPLITS`` programs of one launch,
   and their merge; ``nsplit=1``: one program per tile);
 - ``block-major``: ``sparse_blocks.sparse_attention_prefill_blocks`` (one program per tile of the
-  queries that selected a key block), and on the first selection with bf16 partials and in
-  its persistent form;
+  queries that selected a key block), and on the first selection with fp32 partials and with
+  1-8 tiles a program, and with the bucketing in programs of 64 tokens;
 - sweeps: other tile sizes (``bt=``) and the indexer's chunk.
 The attention runs on four selections: the indexer's on random data (neighbouring tokens
 pick unrelated blocks: the worst case for tiles) and ``shared8/32/128`` (runs of 8, 32 or 128
@@ -184,10 +184,13 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
                                                                                 st.scale, block_t=1), 1)
         block_plan = block_planner.plan(meta)
         # the default (bf16 partial outputs for bf16 queries); fp32 partials (more traffic through
-        # the merge, less rounding); 16 pairs a tile (each block's K and V read half as often, two
-        # warpgroups a tile)
-        variants = [("", {}), (" fp32 partials", {"PARTIALS": {}}),
-                    (" 128-row tiles", {"BLOCK_M": 128, "ATTN_CONFIG": {"num_warps": 8, "num_stages": 1}})]
+        # the merge, less rounding); 1-8 tiles a program (the default: 4, two stages; each block's
+        # K and V loaded once for them)
+        variants = [("", {}), (" fp32 partials", {"PARTIALS": {}})] + [
+            (f" {n} tiles a program, {stages} stage{'s' * (stages > 1)}",
+             {"TILES_PER_PROGRAM": n, "ATTN_CONFIG": {"num_warps": 4, "num_stages": stages}})
+            for n, stages in ((1, 1), (2, 1), (4, 1), (8, 2))]
+        variants.append((" 64 tokens a bucketing program", {"BUCKET_TOKENS": 64}))
         for label, settings in variants:
             if label and (over_budget() or tag != "indexer"):
                 continue

@@ -207,8 +207,12 @@ def _attn_kernel(
 @triton.jit
 def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
                   G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                  NSPLIT: tl.constexpr):
-    """out[t, heads of group g] = sum_s w_s o_s with w_s = 2^lse_s / sum 2^lse."""
+                  NSPLIT: tl.constexpr, S_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
+    """out[t, heads of group g] = sum_s w_s o_s with w_s = 2^lse_s / sum 2^lse.
+
+    Every split's log-sum-exp is read at once, then the partial outputs in chunks of
+    ``S_CHUNK`` splits whose loads do not wait on each other: a loop over the splits one at a
+    time waited two memory latencies per split (the log-sum-exp, then the output it masks)."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     hq = tl.num_programs(1) * G
@@ -218,24 +222,50 @@ def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
     ok = (hh < G) & (slot >= 0)
     head = g * G + hh
     prow = (t.to(tl.int64) * hq + head) * NSPLIT
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
+    ss = tl.arange(0, S_PAD)
+    lse_all = tl.load(plse_ptr + prow[:, None] + ss[None, :], mask=ok[:, None] & (ss < NSPLIT)[None, :],
+                      other=float("-inf"))
+    m = tl.max(lse_all, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # rows no split wrote: every weight 0
+    l = tl.sum(tl.exp2(lse_all - m_safe[:, None]), axis=1)
+    cc = tl.arange(0, S_CHUNK)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    for s in range(NSPLIT):
-        lse = tl.load(plse_ptr + prow + s, mask=ok, other=float("-inf"))
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        o = tl.load(po_ptr + (prow + s)[:, None] * BLOCK_D + d[None, :], mask=ok[:, None] & (w > 0)[:, None],
+    for s0 in tl.static_range(0, NSPLIT, S_CHUNK):
+        s = s0 + cc
+        s_ok = ok[:, None] & (s < NSPLIT)[None, :]
+        w = tl.exp2(tl.load(plse_ptr + prow[:, None] + s[None, :], mask=s_ok, other=float("-inf")) - m_safe[:, None])
+        row = prow[:, None] + s[None, :]
+        # a split that saw no key (w = 0) may have left its output unwritten: never read it
+        o = tl.load(po_ptr + row[:, :, None] * BLOCK_D + d[None, None, :], mask=(s_ok & (w > 0))[:, :, None],
                     other=0.0)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l = l * alpha + w
-        m = m_new
+        acc += tl.sum(o.to(tl.float32) * w[:, :, None], axis=1)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     # l == 0: no split wrote this row (a real row always sees its own key): not the merge's
     tl.store(out_ptr + t.to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=(ok & (l > 0))[:, None] & (d[None, :] < D))
+
+
+# Partial outputs one merge program holds at once (``[G_PAD, S_CHUNK, BLOCK_D]``): 64 values a
+# thread of its 4 warps.
+MERGE_VALUES = 8192
+
+
+def merge_splits(po: Tensor, plse: Tensor, slot_mapping: Tensor, out: Tensor, T: int, Hkv: int) -> None:
+    """The exact softmax over each row's split partials: ``out[t, h] = sum_s w_s po[t, h, s]``.
+
+    Args:
+        po: ``[>= T, Hq, nsplit, BLOCK_D]`` normalised partial outputs (fp32 or bf16).
+        plse: ``fp32 [>= T, Hq, nsplit]`` their log2-sum-exps, ``-inf`` where a split saw no key
+            (its ``po`` row is never read, so it may be unwritten).
+        slot_mapping: the step's slots (rows with slot ``-1`` are padding: not read or written).
+        out: ``[>= T, Hq, D]``; T, Hkv: rows to merge, kv groups.
+    """
+    Hq, nsplit, block_d = po.shape[1], po.shape[2], po.shape[3]
+    G = Hq // Hkv
+    g_pad, s_pad = max(2, next_pow2(G)), max(2, next_pow2(nsplit))
+    s_chunk = max(1, min(s_pad, MERGE_VALUES // (g_pad * block_d)))
+    _merge_kernel[(T, Hkv)](po, plse, slot_mapping, out, out.stride(0), out.stride(1), G=G, D=out.shape[2],
+                            G_PAD=g_pad, BLOCK_D=block_d, NSPLIT=nsplit, S_PAD=s_pad, S_CHUNK=s_chunk, num_warps=4)
 
 
 def _check(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, out: Tensor, page_size: int, T: int) -> None:
@@ -270,9 +300,12 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
     block_d = pad_dim(D)
     if nsplit > 1:
         po = torch.empty((T, Hq, nsplit, block_d), dtype=torch.float32, device=q.device)
-        # -inf: rows no split program covers (rows outside the given tiles) have nothing to
-        # merge, and the merge leaves them unwritten, as the unsplit kernel does
-        plse = torch.full((T, Hq, nsplit), float("-inf"), dtype=torch.float32, device=q.device)
+        # Given tiles, rows outside them have nothing to merge: -inf, and the merge leaves them
+        # unwritten, as the unsplit kernel does. Without, every split writes every real row
+        # (the merge reads no other): no fill, one launch fewer a decode layer.
+        plse = torch.empty((T, Hq, nsplit), dtype=torch.float32, device=q.device)
+        if tiles is not None:
+            plse.fill_(float("-inf"))
     else:
         po = plse = out  # unused
     sel_t = sel if sel is not None else meta.block_tables  # any int32 tensor: unused in dense mode
@@ -299,8 +332,7 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         num_warps=4 if block_m <= 64 else 8, num_stages=1 if block_t > 1 and nsplit > 1 else 2,
     )
     if nsplit > 1:
-        _merge_kernel[(T, Hkv)](po, plse, buf.slot_mapping, out, out.stride(0), out.stride(1),
-                                G=G, D=D, G_PAD=max(2, next_pow2(G)), BLOCK_D=block_d, NSPLIT=nsplit, num_warps=4)
+        merge_splits(po, plse, buf.slot_mapping, out, T, Hkv)
 
 
 def _check_sel(sel: Tensor, Hkv: int, T: int) -> None:

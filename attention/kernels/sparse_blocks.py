@@ -7,20 +7,21 @@ The per-token kernel (``sparse._attn_kernel`` at one token per program) reads ea
 of their selections (``sparse_attention_prefill_tiled``) only help where neighbouring tokens
 select the same blocks. Here the work is turned around, as a fused MoE turns tokens into
 per-expert rows: the (token, selection slot) pairs are bucketed by key block, and one program
-loads its block's K and V once and runs one tile of its bucket's pairs (``BLOCK_M`` rows:
-pairs x the group's q heads) against them, whatever the selections look like.
+loads its block's K and V once and runs up to ``TILES_PER_PROGRAM`` tiles of its bucket's pairs
+(``BLOCK_M`` rows each: pairs x the group's q heads) against them, whatever the selections look
+like.
 
 Three launches per layer (plus the zeroed bucket counters):
 1. ``_bucket_pairs_kernel`` over tokens: each valid pair ``(t, j)`` of kv group ``g`` takes a
    place in the bucket of ``(g, request, block)`` with an atomic counter and writes its code
    ``t * TOPK + j`` there (the order inside a bucket varies from run to run; every pair's
-   result does not depend on it), and every ``PAIRS``-th pair of a bucket opens a tile; slots
+   result does not depend on it), and every ``PAIRS``-th pair of a bucket opens a work item; slots
    with no block, or a block past the request's keys, get a ``-inf`` log-sum-exp (so a bad
    selection can never reach another request's bucket, hence its cache pages).
-2. ``_block_attn_kernel`` over the tiles opened: softmax over the block's visible keys for
+2. ``_block_attn_kernel`` over the work items opened (a tile or a few each): softmax over the block's visible keys for
    each pair's q heads (causal mask only bites in a token's own local block), the normalised
    partial output and its log2-sum-exp into the slot's row of ``[T, Hq, TOPK]`` partials.
-3. ``sparse._merge_kernel`` with ``NSPLIT = TOPK``: the exact softmax over the token's blocks.
+3. ``sparse.merge_splits`` with ``NSPLIT = TOPK``: the exact softmax over the token's blocks.
 
 Bucket storage is per request: request ``s`` with ``q_s`` query tokens and ``n_s`` key blocks
 owns ``n_s * q_s`` places per kv group (a token selects a block at most once), so a step needs
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.sparse import _LOG2E, _check, _check_sel, _merge_kernel
+from attention.kernels.sparse import _LOG2E, _check, _check_sel, merge_splits
 from attention.kernels.triton_utils import check_device, interpreting, next_pow2, pad_dim
 from attention.metadata import AttentionMetadata
 from attention.staging import PingPongStaging
@@ -49,13 +50,22 @@ Tensor = torch.Tensor
 # warpgroups, read each block's K and V half as often but measured slower on the H100: 141 vs
 # 128 us, a 1024-token chunk at 64K.)
 BLOCK_M = 64
-# The block kernel's launch (one tile a program, no loop to pipeline).
-ATTN_CONFIG = {"num_warps": 4, "num_stages": 1}
+# Tiles one block program runs (its block's K and V loaded once for all of them, the tiles'
+# query loads pipelined over two stages); a bucket opens a program per
+# TILES_PER_PROGRAM * BLOCK_M // G pairs. H100, 1024-token chunk + 3 decodes at 64K, random
+# selections, graph replay: 1 / 2 / 4 / 8 tiles a program 115.0 / 101.2 / 96.6 / 98.9 us.
+TILES_PER_PROGRAM = 4
+# The block kernel's launch.
+ATTN_CONFIG = {"num_warps": 4, "num_stages": 2}
 # The partial outputs' dtype by the queries' dtype (fp32 otherwise). bf16 queries keep their
 # normalised partials in bf16: half the bytes through the merge, for one more bf16 rounding of
 # values the output is rounded to anyway (H100, 1024-token chunk at 64K on random selections:
 # 127 vs 164 us, error against the per-token kernel 3.3e-3 vs 2.7e-3; the log-sum-exps stay fp32).
 PARTIALS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.bfloat16}
+# Tokens one bucketing program takes (x the selection's width: one pair a thread at 8 x 16 over
+# 4 warps): a 1024-token chunk makes ~130 programs (at 64 tokens, 17 programs ran the step's
+# atomics nearly serially: the whole block-major attention 130.8 vs 115.0 us, H100 at 64K).
+BUCKET_TOKENS = 8
 # Rows of a plan's per-request table (:class:`BlockPlan` ``req``).
 ROWS = 4
 
@@ -68,8 +78,9 @@ def _bucket_pairs_kernel(
 ):
     """Program ``(token block, g)``: bucket the pairs of ``BLOCK_T`` tokens (see the module
     docstring). ``req`` rows: block base, place base and query tokens of each request. The pair
-    that takes place ``k * PAIRS`` of a bucket opens the bucket's tile ``k``: it draws a tile id
-    from the counter after the buckets' (``counts[Hkv * NB]``) and writes ``(bucket, k)`` there."""
+    that takes place ``k * PAIRS`` of a bucket opens the bucket's work item ``k`` (``PAIRS``: the
+    pairs one block program runs): it draws an item id from the counter after the buckets'
+    (``counts[Hkv * NB]``) and writes ``(bucket, k)`` there."""
     g = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     kk = tl.arange(0, K_PAD)
@@ -109,17 +120,17 @@ def _block_tile(
     bt_ptr, stride_bt, table_rows_ptr, pos_ptr, req_ptr, stride_req, bucket_req_ptr,
     counts_ptr, pairs_ptr, tiles_ptr, po_ptr, plse_ptr, HKV, NB, NCAP, page_size, qk_scale,
     G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_D: tl.constexpr, TILES: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """Tile ``p`` of the step's buckets: its block's K and V, up to ``BLOCK_M // G`` of the
-    bucket's pairs x the group's q heads as rows; partial outputs and log2-sum-exps per pair
-    slot."""
+    """Work item ``p`` of the step's buckets: its block's K and V, loaded once, then up to
+    ``TILES`` tiles of the bucket's next pairs, ``BLOCK_M // G`` pairs x the group's q heads as
+    rows each; partial outputs and log2-sum-exps per pair slot."""
     hq = HKV * G
     fb = tl.load(tiles_ptr + 2 * p)  # g * NB + bucket
     g = fb // NB
     bucket = fb - g * NB
     PAIRS: tl.constexpr = BLOCK_M // G
-    i0 = tl.load(tiles_ptr + 2 * p + 1) * PAIRS
+    i0 = tl.load(tiles_ptr + 2 * p + 1) * (PAIRS * TILES)
     s = tl.load(bucket_req_ptr + bucket)
     b = bucket - tl.load(req_ptr + s)  # the request's logical block
     q_len = tl.load(req_ptr + 2 * stride_req + s)
@@ -130,40 +141,43 @@ def _block_tile(
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_M)
-    p_ok = (r < PAIRS * G) & (i0 + r // G < n_pairs)
-    code = tl.load(places + i0 + r // G, mask=p_ok, other=0)
-    tok = (code // TOPK).to(tl.int64)
-    head = g * G + r % G
-    q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
-                mask=p_ok[:, None] & (d[None, :] < D), other=0.0)
-    pos = tl.load(pos_ptr + tok, mask=p_ok, other=0).to(tl.int32)
     kv_mask = (n[:, None] < page_size) & (d[None, :] < D)
     k = tl.load(k_ptr + g * stride_k_h + page * stride_k_p + n[:, None] * stride_k_s + d[None, :], mask=kv_mask,
                 other=0.0)
     v = tl.load(v_ptr + g * stride_v_h + page * stride_v_p + n[:, None] * stride_v_s + d[None, :], mask=kv_mask,
                 other=0.0)
-    if DOT_F32:
-        sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
-    else:  # an fp8 cache is widened to the queries' dtype (a no-op for a bf16 cache)
-        sc = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
     key = b * page_size + n
-    vis = p_ok[:, None] & (key[None, :] <= pos[:, None]) & (n[None, :] < page_size)
-    sc = tl.where(vis, sc, float("-inf"))
-    m = tl.max(sc, axis=1)
-    has = m > float("-inf")  # a selected block always holds a visible key; padding rows do not
-    m_safe = tl.where(has, m, 0.0)
-    e = tl.exp2(sc - m_safe[:, None])
-    l_sum = tl.sum(e, axis=1)
-    if DOT_F32:
-        o = tl.dot(e, v.to(tl.float32), input_precision="ieee")
-    else:
-        o = tl.dot(e.to(q.dtype), v.to(q.dtype))
-    o = o / tl.where(has, l_sum, 1.0)[:, None]
-    lse = tl.where(has, m_safe + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
-    prow = (tok * hq + head) * TOPK + code % TOPK
-    tl.store(po_ptr + prow[:, None] * BLOCK_D + d[None, :], o.to(po_ptr.dtype.element_ty),
-             mask=p_ok[:, None] & (d[None, :] < D))
-    tl.store(plse_ptr + prow, lse, mask=p_ok)
+    head = g * G + r % G
+    n_tiles = tl.minimum(tl.cdiv(n_pairs - i0, PAIRS), TILES)
+    for it in range(n_tiles):
+        i = i0 + it * PAIRS
+        p_ok = (r < PAIRS * G) & (i + r // G < n_pairs)
+        code = tl.load(places + i + r // G, mask=p_ok, other=0)
+        tok = (code // TOPK).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                    mask=p_ok[:, None] & (d[None, :] < D), other=0.0)
+        pos = tl.load(pos_ptr + tok, mask=p_ok, other=0).to(tl.int32)
+        if DOT_F32:
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+        else:  # an fp8 cache is widened to the queries' dtype (a no-op for a bf16 cache)
+            sc = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        vis = p_ok[:, None] & (key[None, :] <= pos[:, None]) & (n[None, :] < page_size)
+        sc = tl.where(vis, sc, float("-inf"))
+        m = tl.max(sc, axis=1)
+        has = m > float("-inf")  # a selected block always holds a visible key; padding rows do not
+        m_safe = tl.where(has, m, 0.0)
+        e = tl.exp2(sc - m_safe[:, None])
+        l_sum = tl.sum(e, axis=1)
+        if DOT_F32:
+            o = tl.dot(e, v.to(tl.float32), input_precision="ieee")
+        else:
+            o = tl.dot(e.to(q.dtype), v.to(q.dtype))
+        o = o / tl.where(has, l_sum, 1.0)[:, None]
+        lse = tl.where(has, m_safe + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+        prow = (tok * hq + head) * TOPK + code % TOPK
+        tl.store(po_ptr + prow[:, None] * BLOCK_D + d[None, :], o.to(po_ptr.dtype.element_ty),
+                 mask=p_ok[:, None] & (d[None, :] < D))
+        tl.store(plse_ptr + prow, lse, mask=p_ok)
 
 
 @triton.jit(do_not_specialize=["NB", "NCAP"])
@@ -173,19 +187,19 @@ def _block_attn_kernel(
     bt_ptr, stride_bt, table_rows_ptr, pos_ptr, req_ptr, stride_req, bucket_req_ptr,
     counts_ptr, pairs_ptr, tiles_ptr, po_ptr, plse_ptr, HKV, NB, NCAP, page_size, qk_scale,
     G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_D: tl.constexpr, TILES: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """The tiles opened (``counts[HKV * NB]`` of them, see :func:`_block_tile`), one a program
-    (programs past the tiles opened do nothing), so a hot block (every token's local block)
-    spreads over many programs, not one long loop. (A persistent grid striding over the tiles
-    with the next tile's loads in flight measured slower on the H100: 154 and 133 us at one and
-    two programs an SM against 128, a 1024-token chunk at 64K.)"""
+    """The work items opened (``counts[HKV * NB]`` of them, see :func:`_block_tile`), one a
+    program (programs past the items opened do nothing), so a hot block (every token's local
+    block) spreads over many programs, not one long loop. (A persistent grid striding over the
+    tiles with the next tile's loads in flight measured slower on the H100: 154 and 133 us at one
+    and two programs an SM against 128, a 1024-token chunk at 64K.)"""
     p = tl.program_id(0)
     if p < tl.load(counts_ptr + HKV * NB):
         _block_tile(p, q_ptr, stride_q_t, stride_q_h, k_ptr, v_ptr, stride_k_p, stride_k_s, stride_k_h,
                     stride_v_p, stride_v_s, stride_v_h, bt_ptr, stride_bt, table_rows_ptr, pos_ptr, req_ptr,
                     stride_req, bucket_req_ptr, counts_ptr, pairs_ptr, tiles_ptr, po_ptr, plse_ptr, HKV, NB,
-                    NCAP, page_size, qk_scale, G, D, TOPK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32)
+                    NCAP, page_size, qk_scale, G, D, TOPK, BLOCK_M, BLOCK_N, BLOCK_D, TILES, DOT_F32)
 
 
 @dataclass(frozen=True)
@@ -297,19 +311,19 @@ def sparse_attention_prefill_blocks(q: Tensor, k_cache_l: Tensor, v_cache_l: Ten
     # per bucket its pair count, then the tile counter
     counts = torch.zeros(nbt + 1, dtype=torch.int32, device=q.device)
     pairs = torch.empty(Hkv * plan.num_places, dtype=torch.int32, device=q.device)
-    pairs_per_tile = BLOCK_M // G
-    # tiles opened, ceil(count / PAIRS) per bucket: at most one per pair, and at most one per
-    # PAIRS pairs plus one per bucket
+    pairs_per_item = BLOCK_M // G * TILES_PER_PROGRAM
+    # work items opened, ceil(count / pairs_per_item) per bucket: at most one per pair, and at
+    # most one per pairs_per_item pairs plus one per bucket
     max_pairs = Hkv * T * topk
-    max_tiles = min(max_pairs, max_pairs // pairs_per_tile + nbt)
+    max_tiles = min(max_pairs, max_pairs // pairs_per_item + nbt)
     tiles = torch.empty(2 * max_tiles, dtype=torch.int32, device=q.device)
     po = torch.empty((T, Hq, topk, block_d), dtype=PARTIALS.get(q.dtype, torch.float32), device=q.device)
     plse = torch.empty((T, Hq, topk), dtype=torch.float32, device=q.device)
-    block_t = 64
+    block_t = BUCKET_TOKENS
     _bucket_pairs_kernel[(triton.cdiv(T, block_t), Hkv)](
         topk_idx, topk_idx.stride(0), topk_idx.stride(1), buf.token_seq, buf.slot_mapping, plan.req,
         plan.req.stride(0), counts, pairs, plse, tiles, T, plan.num_buckets, plan.num_places,
-        G=G, TOPK=topk, K_PAD=max(2, next_pow2(topk)), BLOCK_T=block_t, PAIRS=pairs_per_tile, num_warps=4,
+        G=G, TOPK=topk, K_PAD=max(2, next_pow2(topk)), BLOCK_T=block_t, PAIRS=pairs_per_item, num_warps=4,
     )
     _block_attn_kernel[(max_tiles,)](
         q, q.stride(0), q.stride(1),
@@ -318,11 +332,10 @@ def sparse_attention_prefill_blocks(q: Tensor, k_cache_l: Tensor, v_cache_l: Ten
         meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.positions, plan.req, plan.req.stride(0),
         plan.bucket_req, counts, pairs, tiles, po, plse, Hkv, plan.num_buckets, plan.num_places, meta.page_size,
         scale * _LOG2E, G=G, D=D, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=pad_dim(meta.page_size), BLOCK_D=block_d,
-        DOT_F32=interpreting() or q.dtype == torch.float32, **ATTN_CONFIG,
+        TILES=TILES_PER_PROGRAM, DOT_F32=interpreting() or q.dtype == torch.float32, **ATTN_CONFIG,
     )
-    _merge_kernel[(T, Hkv)](po, plse, buf.slot_mapping, out, out.stride(0), out.stride(1),
-                            G=G, D=D, G_PAD=max(2, next_pow2(G)), BLOCK_D=block_d, NSPLIT=topk, num_warps=4)
+    merge_splits(po, plse, buf.slot_mapping, out, T, Hkv)
 
 
-__all__ = ["ATTN_CONFIG", "BLOCK_M", "BlockPlan", "BlockPlanner", "plan_buckets",
-           "sparse_attention_prefill_blocks"]
+__all__ = ["ATTN_CONFIG", "BLOCK_M", "BUCKET_TOKENS", "PARTIALS", "TILES_PER_PROGRAM", "BlockPlan", "BlockPlanner",
+           "plan_buckets", "sparse_attention_prefill_blocks"]

@@ -68,10 +68,13 @@ def test_block_major_matches_reference_and_per_token(name):
     assert rel_err(out[: sc.T], per_token[: sc.T].float()) < 1e-5
 
 
-def test_hot_blocks_fill_several_tiles_and_planner_reuse():
+@pytest.mark.parametrize("tiles_per_program", [1, 3])
+def test_hot_blocks_fill_several_tiles_and_planner_reuse(tiles_per_program, monkeypatch):
     """Every token of a long chunk selects block 0 and its local block (buckets of more pairs
-    than one tile holds: 16 q heads a kv head, 4 pairs a tile), then a second, different step
+    than one tile holds: 16 q heads a kv head, 4 pairs a tile; at 3 tiles a program, buckets of
+    more pairs than a program holds, and programs of 1-3 tiles), then a second, different step
     on the same planner."""
+    monkeypatch.setattr(sparse_blocks, "TILES_PER_PROGRAM", tiles_per_program)
     sc = Scenario([(20, 1), (70, 40), (33, 1)], hq=32, hkv=2, d=16, bs=4, topk=3, seed=3)
     planner = planner_for(sc)
     sel = sc.ref_selection()
@@ -142,11 +145,13 @@ def test_block_major_kernels_compile_for_hopper():
             "pos_ptr": "i64", "bucket_req_ptr": "i32", "tiles_ptr": "i32"}
     m = "attention.kernels.sparse_blocks"
     g = RANK8["hq"] // RANK8["hkv"]
-    attn = dict(G=g, D=128, TOPK=16, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128, DOT_F32=False)
+    attn = dict(G=g, D=128, TOPK=16, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128, TILES=sparse_blocks.TILES_PER_PROGRAM,
+                DOT_F32=False)
     cases = [
-        [m, "_bucket_pairs_kernel", dict(G=g, TOPK=16, K_PAD=16, BLOCK_T=64), ptrs, [], 4, 3],
-        [m, "_block_attn_kernel", attn, ptrs, ["qk_scale"], 4, 1],
-        [m, "_block_attn_kernel", attn, dict(ptrs, k_ptr="fp8e4nv", v_ptr="fp8e4nv"), ["qk_scale"], 4, 1],
+        [m, "_bucket_pairs_kernel", dict(G=g, TOPK=16, K_PAD=16, BLOCK_T=sparse_blocks.BUCKET_TOKENS), ptrs, [], 4, 3],
+        [m, "_block_attn_kernel", attn, ptrs, ["qk_scale"], 4, 2],
+        [m, "_block_attn_kernel", attn, dict(ptrs, k_ptr="fp8e4nv", v_ptr="fp8e4nv"), ["qk_scale"], 4, 2],
+        [m, "_block_attn_kernel", dict(attn, TILES=1), ptrs, ["qk_scale"], 4, 1],
     ]
     reports = run_compile_reports(cases)
     assert all(r["wgmma"] for r in reports[1:]), "the block's dots should use Hopper wgmma"
@@ -156,11 +161,16 @@ def test_block_major_kernels_compile_for_hopper():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tiles_per_program", [1, 4])
 @pytest.mark.parametrize("ctx", [8192, 65536, 131072])
-def test_cuda_rank8_mixed_step_block_major(ctx):
+def test_cuda_rank8_mixed_step_block_major(ctx, tiles_per_program, monkeypatch):
     """3 decodes + a 1024-token chunk ending at ``ctx``: random selections (the reference
     indexer's on random data) and runs of 32 tokens sharing one, against the per-token kernel
-    and the float64-accumulated reference."""
+    and the float64-accumulated reference; one tile a block program (one stage) or the
+    default four."""
+    monkeypatch.setattr(sparse_blocks, "TILES_PER_PROGRAM", tiles_per_program)
+    if tiles_per_program == 1:
+        monkeypatch.setattr(sparse_blocks, "ATTN_CONFIG", {"num_warps": 4, "num_stages": 1})
     specs = [(ctx, 1), (ctx, 1024), (ctx - 37, 1), (ctx // 2, 1)]
     sc = Scenario(specs, RANK8["hq"], RANK8["hkv"], RANK8["d"], RANK8["bs"], RANK8["topk"], seed=ctx,
                   dtype=torch.bfloat16)

@@ -218,7 +218,7 @@ def test_kernels_compile_for_hopper():
                     **({"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "out_ptr": "fp32"} if f32 else {}))
         return ["attention.kernels.sparse", "_attn_kernel", c, ptrs, ["qk_scale"], 4 if bm <= 64 else 8, 2]
 
-    merge = dict(G=16, D=128, G_PAD=16, BLOCK_D=128, NSPLIT=16)
+    merge = dict(G=16, D=128, G_PAD=16, BLOCK_D=128, NSPLIT=16, S_PAD=16, S_CHUNK=4)
     cases = [attn(1, 16, 16), attn(4, 16, 1), attn(8, 8, 1), attn(1, 16, 8, dense=True),
              attn(4, 2, 1, d=32, bn=16, f32=True),
              ["attention.kernels.sparse", "_merge_kernel", merge, ATTN_PTRS, [], 4, 3]]
