@@ -12,9 +12,9 @@ eager launches, so host launch gaps count) and the same ops replayed as one CUDA
 - ``tiled``: ``index_topk_prefill_tiled`` / ``sparse_attention_prefill_tiled`` with the
   default tile sizes (the attention: every tile in ``TILE_SPLITS`` programs of one launch,
   and their merge; ``nsplit=1``: one program per tile);
-- ``block-major``: ``sparse_blocks.sparse_attention_prefill_blocks`` (one program per tile of the
-  queries that selected a key block), and on the first selection with fp32 partials and with
-  1-8 tiles a program, and with the bucketing in programs of 64 tokens;
+- ``block-major``: ``sparse_blocks.sparse_attention_prefill_blocks`` (the queries that selected a
+  key block in programs of up to four tiles), and on the first selection with fp32 partials,
+  with 1-8 tiles a program, and with the bucketing in programs of 64 tokens;
 - sweeps: other tile sizes (``bt=``) and the indexer's chunk.
 The attention runs on four selections: the indexer's on random data (neighbouring tokens
 pick unrelated blocks: the worst case for tiles) and ``shared8/32/128`` (runs of 8, 32 or 128

@@ -15,12 +15,13 @@ Three launches per layer (plus the zeroed bucket counters):
 1. ``_bucket_pairs_kernel`` over tokens: each valid pair ``(t, j)`` of kv group ``g`` takes a
    place in the bucket of ``(g, request, block)`` with an atomic counter and writes its code
    ``t * TOPK + j`` there (the order inside a bucket varies from run to run; every pair's
-   result does not depend on it), and every ``PAIRS``-th pair of a bucket opens a work item; slots
-   with no block, or a block past the request's keys, get a ``-inf`` log-sum-exp (so a bad
+   result does not depend on it), and every ``PAIRS``-th pair of a bucket opens a work item;
+   slots with no block, or a block past the request's keys, get a ``-inf`` log-sum-exp (so a bad
    selection can never reach another request's bucket, hence its cache pages).
-2. ``_block_attn_kernel`` over the work items opened (a tile or a few each): softmax over the block's visible keys for
-   each pair's q heads (causal mask only bites in a token's own local block), the normalised
-   partial output and its log2-sum-exp into the slot's row of ``[T, Hq, TOPK]`` partials.
+2. ``_block_attn_kernel`` over the work items opened (up to ``TILES_PER_PROGRAM`` tiles each):
+   softmax over the block's visible keys for each pair's q heads (causal mask only bites in a
+   token's own local block), the normalised partial output and its log2-sum-exp into the
+   slot's row of ``[T, Hq, TOPK]`` partials.
 3. ``sparse.merge_splits`` with ``NSPLIT = TOPK``: the exact softmax over the token's blocks.
 
 Bucket storage is per request: request ``s`` with ``q_s`` query tokens and ``n_s`` key blocks
@@ -308,7 +309,7 @@ def sparse_attention_prefill_blocks(q: Tensor, k_cache_l: Tensor, v_cache_l: Ten
         return
     buf, block_d = meta.buffers, pad_dim(D)
     nbt = Hkv * plan.num_buckets
-    # per bucket its pair count, then the tile counter
+    # per bucket its pair count, then the work-item counter (``tiles`` holds the items opened)
     counts = torch.zeros(nbt + 1, dtype=torch.int32, device=q.device)
     pairs = torch.empty(Hkv * plan.num_places, dtype=torch.int32, device=q.device)
     pairs_per_item = BLOCK_M // G * TILES_PER_PROGRAM
