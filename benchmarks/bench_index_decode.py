@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from timing import Timer
+from timing import Timer, kernel_times
 
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
@@ -104,17 +104,7 @@ def prefill_kernels(st: DecodeStep, d: Dims, reps: int) -> dict[str, float]:
     def fn() -> None:
         indexer.index_topk_prefill_tiled(st.iq, st.ik, st.meta, d.topk, st.sel, tiles)
 
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
-            out[e.key[:40]] = round(e.device_time_total / reps, 1)
-    return out
+    return kernel_times({"tiled indexer": fn}, reps)["tiled indexer"]
 
 
 def main(argv: list[str] | None = None) -> int:

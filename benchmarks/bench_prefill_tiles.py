@@ -15,7 +15,9 @@ eager launches, so host launch gaps count) and the same ops replayed as one CUDA
 - ``block-major``: ``sparse_blocks.sparse_attention_prefill_blocks`` (the queries that selected a
   key block in programs of up to four tiles), and on the first selection with fp32 partials,
   with 1-8 tiles a program, and with the bucketing in programs of 64 tokens;
-- sweeps: other tile sizes (``bt=``) and the indexer's chunk.
+- sweeps: other tile sizes (``bt=``) and the indexer's chunk and pipeline stages;
+- with ``--kernels``, the GPU time per kernel of the defaults (profiler); ``--ncu`` only runs
+  the defaults, for Nsight Compute.
 The attention runs on four selections: the indexer's on random data (neighbouring tokens
 pick unrelated blocks: the worst case for tiles) and ``shared8/32/128`` (runs of 8, 32 or 128
 prefill tokens share the run's first token's selection where it sees the same local block,
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from timing import Timer
+from timing import Timer, kernel_times
 
 
 @dataclass(frozen=True)
@@ -154,15 +156,25 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
     t_idx = tiles(bt_idx)
     idx_row(f"tiled (bt={bt_idx}, chunk {indexer.TILED_CHUNK}, default)",
             lambda: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx), 2)
-    sweeps = ((bt_idx, 4), (bt_idx, 2), (bt_idx, 8), (bt_idx, 32), (bt_idx // 2, None), (bt_idx // 8, None),
-              (bt_idx * 2, None))
-    for bt, chunk in sweeps:
+    # (tokens a tile, key blocks a program, settings of the indexer module; the chunk None: the default)
+    sweeps = [(bt_idx, 4, {}), (bt_idx, 2, {}), (bt_idx, 16, {}), (bt_idx, 32, {}), (bt_idx // 2, None, {}),
+              (bt_idx * 2, None, {}), (bt_idx * 2, 16, {}), (bt_idx, None, {"TILE_STAGES": 2}),
+              (bt_idx, None, {"TILE_STAGES": 4})]
+    for bt, chunk, settings in sweeps:
         if over_budget() or bt < 1:
             continue
         tt = tiles(bt)
-        idx_row(f"tiled bt={bt} chunk={chunk or indexer.TILED_CHUNK}",
-                lambda tt=tt, chunk=chunk: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, tt,
-                                                                            chunk), 2)
+        saved = {name: getattr(indexer, name) for name in settings}
+        for name, value in settings.items():
+            setattr(indexer, name, value)
+        try:
+            label = " ".join(f"{k.removeprefix('TILE_').lower()}={v}" for k, v in settings.items())
+            idx_row(f"tiled bt={bt} chunk={chunk or indexer.TILED_CHUNK} {label}".rstrip(),
+                    lambda tt=tt, chunk=chunk: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel,
+                                                                                tt, chunk), 2)
+        finally:
+            for name, value in saved.items():
+                setattr(indexer, name, value)
     indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx)
     patterns = [(st.sel, "indexer")] + [(st.shared_selection(r, d.block), f"shared{r}") for r in (8, 32, 128)]
 
@@ -219,6 +231,31 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
     return rows, info
 
 
+def default_ops(st: Step, d: Dims, device: str) -> dict[str, Callable[[], None]]:
+    """The step's default sparse ops as the Triton backend runs them: the tiled indexer (which
+    also fills ``st.sel``), block-major attention on its selection and on ``shared8``."""
+    from attention.kernels import indexer, sparse_blocks
+    from attention.kernels.tiles import TilePlanner
+
+    bt = indexer.tile_block_t(d.num_kv_heads)
+    t_idx = TilePlanner(st.builder.max_tokens, device).plan(st.meta.qo_indptr_host, bt)
+    planner = sparse_blocks.BlockPlanner(st.builder.max_seqs, st.cache.block_tables.numel(), device)
+    plan = planner.plan(st.meta)
+
+    def index() -> None:
+        indexer.index_topk_prefill_tiled(st.iq, st.ik, st.meta, d.topk, st.sel, t_idx)
+
+    index()
+    shared = st.shared_selection(8, d.block)
+
+    def attention(sel: torch.Tensor) -> Callable[[], None]:
+        return lambda: sparse_blocks.sparse_attention_prefill_blocks(st.q, st.k, st.v, sel, st.meta, st.out,
+                                                                      st.scale, plan)
+
+    return {"indexer": index, "block-major indexer": attention(st.sel.clone()),
+            "block-major shared8": attention(shared)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="bench_prefill_tiles.json", help="JSON output path")
@@ -231,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--indexer-only", action="store_true", help="skip the attention rows")
     ap.add_argument("--budget-s", type=float, default=25.0, help="skip the remaining sweeps after this long")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, host timing: checks the script runs")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the GPU time per kernel of the default indexer and block-major attention (profiler)")
+    ap.add_argument("--ncu", action="store_true",
+                    help="only run the default ops three times each, no timing (for a run under Nsight Compute)")
     a = ap.parse_args(argv)
     if a.smoke:
         if not torch.cuda.is_available():
@@ -244,7 +285,17 @@ def main(argv: list[str] | None = None) -> int:
         dims, device = Dims(), "cuda"
     torch.manual_seed(0)
     t0 = time.time()
+    if a.ncu:
+        st = Step(dims, a.decodes, a.decode_ctx, a.chunk, a.chunk_start, device)
+        for fn in default_ops(st, dims, device).values():
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        return 0
     rows, info = run(a, dims, device)
+    if a.kernels and torch.cuda.is_available():
+        st = Step(dims, a.decodes, a.decode_ctx, a.chunk, a.chunk_start, device)
+        info["kernels_us"] = kernel_times(default_ops(st, dims, device))
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"

@@ -39,6 +39,22 @@ class Timer:
         return self(g.replay)
 
 
+def kernel_times(ops: dict[str, Callable[[], None]], reps: int = 20) -> dict[str, dict[str, float]]:
+    """GPU us per kernel of each op (``torch.profiler``, mean of ``reps`` eager runs after one)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, fn in ops.items():
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        out[name] = {e.key[:48]: round(e.device_time_total / reps, 1) for e in prof.key_averages()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.count}
+        print(f"kernels of {name}: {sum(out[name].values()):.1f} us  {out[name]}", flush=True)
+    return out
+
+
 def graph_replay_us(calls: Sequence[Callable[[], None]], reps: int) -> float:
     """Median GPU microseconds per call: ``calls`` captured in order as one CUDA graph, replayed
     ``reps`` times between CUDA events. Many calls per graph amortise the replay's own launch,

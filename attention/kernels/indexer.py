@@ -41,7 +41,15 @@ import triton
 import triton.language as tl
 
 from attention.kernels.tiles import StepTiles, check_tile_rows
-from attention.kernels.triton_utils import check_device, fp8_split_rows, interpreting, next_pow2, num_sms, pad_dim
+from attention.kernels.triton_utils import (
+    check_device,
+    entry_at,
+    fp8_split_rows,
+    interpreting,
+    next_pow2,
+    num_sms,
+    pad_dim,
+)
 from attention.metadata import AttentionMetadata
 
 Tensor = torch.Tensor
@@ -56,13 +64,12 @@ def _pack_keys(score, block_id):
 
 
 @triton.jit
-def _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI: tl.constexpr,
+def _block_dot(q, q_lo, ik_ptr, page, stride_ik_p, stride_ik_s, page_size, n, d, DI: tl.constexpr,
                DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr):
-    """Scores ``[rows, keys]`` of the tile's queries against logical block ``b`` (page from
-    the block-table row ``bt_row``). An fp8 cache is read by fp8 tensor-core dots against the
-    ``(q, q_lo)`` pair of ``fp8_split_rows`` (``FP8_DOT``; no widening of the keys, which
+    """Scores ``[rows, keys]`` of the tile's queries against the keys of cache page ``page``
+    (``-1``: absent, scores of zero keys). An fp8 cache is read by fp8 tensor-core dots against
+    the ``(q, q_lo)`` pair of ``fp8_split_rows`` (``FP8_DOT``; no widening of the keys, which
     costs more than the bytes fp8 saves), or widened to fp32 under ``DOT_F32``."""
-    page = tl.load(bt_row + b)
     kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
                  mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
     if DOT_F32:
@@ -121,14 +128,15 @@ def _tile_candidates(
             p_lo = tl.min(tl.where(in_s, pos, 2147483647), axis=0)
             b_mid = tl.minimum(b_end, tl.maximum(b0, (p_lo + 1) // page_size)) if FULL_PAGE else b0
             bt_row = bt_ptr + srow.to(tl.int64) * stride_bt
+            pages = tl.load(bt_row + b0 + cols, mask=b0 + cols < b_end, other=-1)
             for b in range(b0, b_mid):
-                sc = _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32,
-                                FP8_DOT)
+                sc = _block_dot(q, q_lo, ik_ptr, entry_at(pages, cols, b - b0), stride_ik_p, stride_ik_s,
+                                page_size, n, d, DI, DOT_F32, FP8_DOT)
                 bs = tl.where(local == b, float("-inf"), tl.max(sc, axis=1))  # the merge forces the local block
                 S = tl.where((cols[None, :] == b - b0) & in_s[:, None], bs[:, None], S)
             for b in range(b_mid, b_end):
-                sc = _block_dot(q, q_lo, ik_ptr, bt_row, b, stride_ik_p, stride_ik_s, page_size, n, d, DI, DOT_F32,
-                                FP8_DOT)
+                sc = _block_dot(q, q_lo, ik_ptr, entry_at(pages, cols, b - b0), stride_ik_p, stride_ik_s,
+                                page_size, n, d, DI, DOT_F32, FP8_DOT)
                 j = b * page_size + n
                 vis = in_s[:, None] & (j[None, :] <= pos[:, None]) & (n[None, :] < page_size)
                 bs = tl.max(tl.where(vis, sc, float("-inf")), axis=1)
@@ -190,8 +198,10 @@ def _row_candidates(
         srow = tl.load(table_rows_ptr + tl.load(token_seq_ptr + tok))
         bt_row = bt_ptr + srow.to(tl.int64) * stride_bt
         S = tl.full([CHUNK, HP], float("-inf"), tl.float32)
-        for b in range(b0, tl.minimum(b0 + CHUNK, local)):
-            page = tl.load(bt_row + b)
+        b_end = tl.minimum(b0 + CHUNK, local)
+        pages = tl.load(bt_row + b0 + cols, mask=b0 + cols < b_end, other=-1)
+        for b in range(b0, b_end):
+            page = entry_at(pages, cols, b - b0)
             kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
                          mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
             if DOT_F32:
@@ -357,6 +367,13 @@ def row_heads(num_index_heads: int, fp8_dot: bool) -> int:
 # dot) 13-50% slower.
 ROW_CONFIG = {"num_warps": 4, "num_stages": 3}
 
+# Pipeline stages of the multi-token partial programs: two key tiles in flight while one is
+# scored (a 64-row program then holds 113 KB of shared memory and 255 registers a thread, two
+# to an SM). Measured on the H100 (1024-token chunk + 3 decodes at 64K): 2 / 3 / 4 stages 85.1
+# / 73.7 / 100.4 us. Three or four programs an SM (half-page key steps, a register cap of 128
+# or 168) were no faster: 71.2-97.4 us at 64K, 125.9-178.8 at 128K (3 stages: 134.9).
+TILE_STAGES = 3
+
 
 def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
             num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None, keep_all: bool = False) -> None:
@@ -397,7 +414,7 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
         _partial_kernel[(programs, nc)](
             *args, T, meta.page_size, nc, buf.token_seq if tiles is None else tiles, BLOCK_T=block_t,
             BLOCK_M=block_m, TILED=tiles is not None, FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
-            HP=row_heads(H, fp8_dot), **common, num_warps=4 if block_m <= 64 else 8, num_stages=3,
+            HP=row_heads(H, fp8_dot), **common, num_warps=4 if block_m <= 64 else 8, num_stages=TILE_STAGES,
         )
     block_c = merge_piece(nc * kp, stable=keep_all)
     _merge_kernel[(T, H)](
@@ -533,4 +550,4 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
 
 
 __all__ = ["TILED_CHUNK", "decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill",
-           "index_topk_prefill_tiled", "merge_piece", "row_heads", "tile_block_t", "ROW_CONFIG"]
+           "index_topk_prefill_tiled", "merge_piece", "row_heads", "tile_block_t", "ROW_CONFIG", "TILE_STAGES"]

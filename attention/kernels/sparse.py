@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.tiles import StepTiles, check_tile_rows
-from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms, pad_dim
+from attention.kernels.triton_utils import check_device, entry_at, interpreting, next_pow2, num_sms, pad_dim
 from attention.metadata import AttentionMetadata
 
 Tensor = torch.Tensor
@@ -128,18 +128,23 @@ def _attn_kernel(
         p0 = tl.load(pos_ptr + t_lo, mask=ok0, other=-1).to(tl.int32)
         srow0 = tl.load(table_rows_ptr + tl.load(token_seq_ptr + t_lo, mask=ok0, other=0), mask=ok0, other=0)
         srow0 = srow0.to(tl.int64)
+        v_lo = sp * BPS
         if DENSE:
-            v_lo = sp * BPS
             v_hi = tl.minimum(v_lo + BPS, (p0 + page_size) // page_size)  # p0 = -1 (pad) -> empty
         else:
-            v_lo = sp * BPS
             v_hi = tl.minimum(v_lo + BPS, TOPK)
+            # the split's selected blocks and their pages, read before the loop (``entry_at``)
+            kk = tl.arange(0, K_PAD)
+            in_split = ok0 & (kk >= v_lo) & (kk < v_hi)
+            blks = tl.load(sel_ptr + g * stride_sel_h + t_lo.to(tl.int64) * stride_sel_t + kk, mask=in_split, other=-1)
+            pages = tl.load(bt_ptr + srow0 * stride_bt + blks, mask=blks >= 0, other=-1)
         for v in range(v_lo, v_hi):
             if DENSE:
                 blk = v
+                page = tl.load(bt_ptr + srow0 * stride_bt + blk, mask=ok0, other=-1)
             else:
-                blk = tl.load(sel_ptr + g * stride_sel_h + t_lo.to(tl.int64) * stride_sel_t + v, mask=ok0, other=-1)
-            page = tl.load(bt_ptr + srow0 * stride_bt + blk, mask=ok0 & (blk >= 0), other=-1)
+                blk = entry_at(blks, kk, v)
+                page = entry_at(pages, kk, v)
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, kg_ptr, vg_ptr, page, blk, row_ok & (page >= 0), pos,
                                           page_size, qk_scale, stride_k_p, stride_k_s, stride_v_p, stride_v_s,
                                           D, BLOCK_N, BLOCK_D, DOT_F32)

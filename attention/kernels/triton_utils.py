@@ -1,4 +1,5 @@
-"""Small helpers shared by the Triton kernels: interpreter detection, padding, SMs, the fp8 row split.
+"""Small helpers shared by the Triton kernels: interpreter detection, padding, SMs, the fp8 row split,
+register lookups of page lists.
 
 The Triton interpreter (``TRITON_INTERPRET=1``) runs the same kernel source on the CPU, which
 is how these kernels are tested without a GPU. Its bf16 ``tl.dot`` is wrong, so every kernel
@@ -111,6 +112,16 @@ def check_tile_config(config: object, dot_dims: tuple[str, ...]) -> None:
         v = getattr(config, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"{cls}.{name} must be a power of two >= 16 (a tl.dot dimension), got {v}")
+
+
+@triton.jit
+def entry_at(values, lanes, i):
+    """``values[i]`` of a 1D int tensor of entries ``>= -1`` (``lanes``: its ``tl.arange``; ``-1``
+    where ``i`` is out of range), picked in registers. Block loops over paged caches read their
+    page list before the loop and pick each step's page with this: a page read from the block
+    table inside the loop makes the next tile's address wait on a load, and Triton's pipeliner
+    then keeps one tile in flight (``async_wait 0`` each step), not ``num_stages - 1``."""
+    return tl.max(tl.where(lanes == i, values, -1), axis=0)
 
 
 @triton.jit

@@ -292,7 +292,8 @@ def _partial(bt, h, chunk, tiled):
     bm = max(16, 1 << (bt * h - 1).bit_length())
     c = {"HIDX": h, "DI": 128, "BLOCK_T": bt, "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_D": 128, "CHUNK": chunk,
          "KP": min(15, chunk), "DOT_F32": False, "TILED": tiled, "FP8_DOT": False, "HP": max(16, h)}
-    return ["attention.kernels.indexer", "_partial_kernel", c, IDX_PTRS, [], 4 if bm <= 64 else 8, 3]
+    return ["attention.kernels.indexer", "_partial_kernel", c, IDX_PTRS, [], 4 if bm <= 64 else 8,
+            indexer_triton.TILE_STAGES]
 
 
 def _attn(bt, g, tiled, nsplit=1, stages=2):
@@ -317,6 +318,8 @@ def test_tiled_kernels_compile_for_hopper():
     for case, rep in zip(cases, reports):
         print(case[1], {k: case[2][k] for k in ("BLOCK_T", "BLOCK_M", "TILED")}, rep)
     assert reports[3]["wgmma"] and reports[4]["wgmma"], "the 64-row tiles should use Hopper wgmma"
+    for rep in reports[:4]:  # the page list is read before the block loop: key tiles stay in flight
+        assert rep["copies_in_flight"] == indexer_triton.TILE_STAGES - 2, rep
     for tiled, untiled in ((reports[0], reports[1]), (reports[4], reports[5])):  # the tile rows cost ~nothing
         assert tiled["shared"] == untiled["shared"], (tiled, untiled)
         assert tiled["regs"] <= untiled["regs"] + 8 and tiled["spill_bytes"] <= untiled["spill_bytes"] + 32

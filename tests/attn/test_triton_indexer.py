@@ -174,7 +174,8 @@ def test_kernels_compile_for_hopper():
                  FP8_DOT=fp8, HP=indexer_triton.row_heads(h, fp8))
         ptrs = dict(IDX_PTRS, **({"iq_ptr": "fp32", "ik_ptr": "fp32"} if f32 else {}),
                     **({"ik_ptr": "fp8e4nv"} if fp8 else {}))
-        return ["attention.kernels.indexer", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8, 3]
+        return ["attention.kernels.indexer", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8,
+                indexer_triton.TILE_STAGES]
 
     def merge(block_c):
         c = dict(HIDX=1, BLOCK_C=block_c, TOPK=16, TOPK_PAD=16, CHUNK=16, KP=16)
@@ -199,6 +200,9 @@ def test_kernels_compile_for_hopper():
         assert r["fp8_wgmma"] and r["cp_async"], f"an fp8 index-K cache must be read by fp8 wgmma: {r}"
     for i in (2, 4, 8, 9):  # the tiled launches (4, 8) hold the one-token form beside the tile form
         assert reports[i]["k_loop_loads"] == 0, f"index-K pages must be pipelined: {cases[i]} {reports[i]}"
+        # pages picked from a list read before the loop: a page id loaded in the loop would make
+        # each step wait for the key tile it just asked for (async_wait 0)
+        assert reports[i]["copies_in_flight"] == cases[i][6] - 2, f"{cases[i]} {reports[i]}"
 
 
 # ---- GPU: real shapes -----------------------------------------------------------------------

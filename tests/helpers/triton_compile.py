@@ -1,6 +1,7 @@
 """Compile Triton kernels for Hopper without a GPU (tests of the kernel modules share this)."""
 
 import os
+import re
 
 import pytest
 
@@ -35,12 +36,15 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                    arch: int = 90) -> dict:
     """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
     its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "fp8_wgmma": bool,
-    "wgmma_reg_a": bool, "ldmatrix": bool, "cp_async": bool, "k_loop_loads": n}`` (``fp8_wgmma``: a
-    wgmma takes e4m3 operands as they are; ``wgmma_reg_a``: a wgmma takes its first operand from
-    registers; ``ldmatrix``: some operand goes from shared memory to registers through
-    ``ldmatrix``; ``cp_async``: some load is pipelined through asynchronous copies into shared memory;
+    "wgmma_reg_a": bool, "ldmatrix": bool, "cp_async": bool, "k_loop_loads": n,
+    "copies_in_flight": n}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they are;
+    ``wgmma_reg_a``: a wgmma takes its first operand from registers; ``ldmatrix``: some operand
+    goes from shared memory to registers through ``ldmatrix``; ``cp_async``: some load is
+    pipelined through asynchronous copies into shared memory;
     ``k_loop_loads``: loads left synchronous in a loop that feeds a dot, each a full memory
-    latency per step).
+    latency per step; ``copies_in_flight``: the fewest asynchronous copies such a loop leaves
+    in flight where it waits, ``num_stages - 2`` when fully pipelined, 0 where a step waits for
+    the copy it just issued, -1 with no such wait).
 
     A development check (the interpreter accepts code the compiler rejects, e.g. sibling
     branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
@@ -87,7 +91,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                 spill_bytes=int(spills.group(1)) if spills else 0, wgmma="wgmma" in ptx,
                 fp8_wgmma=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
                 wgmma_reg_a=bool(re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", ptx)), ldmatrix="ldmatrix" in ptx,
-                cp_async="cp.async" in ptx, k_loop_loads=k_loop_loads(compiled.asm["ttgir"]))
+                cp_async="cp.async" in ptx, k_loop_loads=k_loop_loads(compiled.asm["ttgir"]),
+                copies_in_flight=copies_in_flight(compiled.asm["ttgir"]))
 
 
 def k_loop_loads(ttgir: str) -> int:
@@ -107,3 +112,25 @@ def k_loop_loads(ttgir: str) -> int:
         if t.endswith("{"):
             stack.append([t.startswith("scf.for ") or " = scf.for " in t, False, 0])
     return total
+
+
+def copies_in_flight(ttgir: str) -> int:
+    """The smallest ``num`` of the ``ttg.async_wait`` ops in the loops of a pipelined TTGIR whose
+    body holds a dot: how many asynchronous copies such a loop still has in flight where it
+    waits (-1: none waits). A copy whose address depends on a load in the same loop (a page id
+    read from a block table) makes the pipeliner wait for every copy each step (0)."""
+    stack, found = [], []  # per open region: [is a for loop, holds a dot, its waits' nums]
+    for line in ttgir.splitlines():
+        t = line.strip()
+        if t.startswith("}") and stack:
+            is_for, has_dot, nums = stack.pop()
+            found += nums if is_for and has_dot else []
+        loop = next((r for r in reversed(stack) if r[0]), None)
+        if loop is not None:
+            loop[1] |= "tt.dot " in t or "warp_group_dot " in t
+            m = re.search(r"ttg\.async_wait .*\{num = (\d+)", t)
+            if m:
+                loop[2].append(int(m.group(1)))
+        if t.endswith("{"):
+            stack.append([t.startswith("scf.for ") or " = scf.for " in t, False, []])
+    return min(found) if found else -1
