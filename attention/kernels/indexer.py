@@ -13,8 +13,10 @@ Two kernels, used the same way by prefill and decode:
    Programs of one token run the same candidates from a dot with the keys as its rows (a
    single query would otherwise be padded to a 64-row tile): decode rows in
    ``_row_partial_kernel``, a prefill step's one-row tiles in the tile launch's one-token branch.
-2. ``_merge_kernel`` over (token, head): the best ``topk - 1`` of the ``NC * KP`` candidates,
-   then the local block, then ``-1``.
+2. ``_merge_row`` per (token, head): the best ``topk - 1`` of the ``NC * KP`` candidates,
+   then the local block, then ``-1``; in ``_merge_kernel`` over (token, head) after the
+   partial launch, or, for one token per program, in the last of the token's chunk programs
+   to finish (``MERGE_LAST``, :mod:`attention.kernels.arrival`: no second launch).
 
 A key packs (score, block id) so one ``max`` finds the best score and, among equal scores,
 the lowest id: ``key = sortable_int32(score) << 32 | (2**31 - 1 - id)``. Taken and missing
@@ -40,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.arrival import arrival_counters, arrive
 from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import (
     check_device,
@@ -267,15 +270,34 @@ def _row_partial_kernel(
     iq_ptr, stride_iq_t, stride_iq_h,
     ik_ptr, stride_ik_p, stride_ik_s,
     bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
-    part_ptr, page_size, NC,
+    part_ptr, page_size, NC, out_ptr, stride_out_h, stride_out_t, count_ptr,
     HIDX: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
+    MERGE_LAST: tl.constexpr = False, BLOCK_C: tl.constexpr = 16, TOPK: tl.constexpr = 16,
+    TOPK_PAD: tl.constexpr = 16,
 ):
     """``_partial_kernel`` for one token per program (decode rows): program ``(i, c)`` is token
-    ``i`` in chunk ``c`` (:func:`_row_candidates`)."""
+    ``i`` in chunk ``c`` (:func:`_row_candidates`). ``MERGE_LAST``: the last of a row's chunk
+    programs to finish merges the row (``arrival``: the chunks up to its local block count; a
+    padded row's selection is written by its chunk 0), with no merge launch after."""
+    tok = tl.program_id(0)
+    c = tl.program_id(1)
     _row_candidates(iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s, bt_ptr, stride_bt,
-                    table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, tl.program_id(0),
-                    tl.program_id(1), HIDX, DI, HP, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FP8_DOT)
+                    table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, tok, c,
+                    HIDX, DI, HP, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FP8_DOT)
+    if MERGE_LAST:
+        slot = tl.load(slot_ptr + tok)
+        local = tl.load(pos_ptr + tok).to(tl.int32) // page_size
+        if slot >= 0:
+            if c * CHUNK <= local:
+                if arrive(count_ptr + tok, tl.minimum(NC, local // CHUNK + 1)):
+                    for h in tl.static_range(HIDX):
+                        _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, tok, h, slot, local, NC * KP,
+                                   HIDX, BLOCK_C, TOPK, TOPK_PAD, CHUNK, KP)
+        elif c == 0:
+            for h in tl.static_range(HIDX):
+                _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, tok, h, slot, local, NC * KP,
+                           HIDX, BLOCK_C, TOPK, TOPK_PAD, CHUNK, KP)
 
 
 @triton.jit
@@ -302,32 +324,42 @@ def _merge_tops(a, b, n, kk, TOPK_PAD: tl.constexpr):
     return top
 
 
+@triton.jit
+def _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot, local, NCAND,
+               HIDX: tl.constexpr, BLOCK_C: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+               CHUNK: tl.constexpr, KP: tl.constexpr):
+    """Row ``t``'s selection for head ``h``: the best ``TOPK - 1`` of its ``NCAND`` candidates
+    (a runtime count, so one build serves every context length) and its local block, streamed
+    in pieces of ``BLOCK_C``: each piece's best list merges into the running one (one piece: a
+    single selection). A padded row (``slot < 0``) gets ``-1`` throughout. The candidates are
+    read through L2 (``.cg``): a partial program that merges (``arrival``) reads what programs
+    on other SMs have just written."""
+    ok = slot >= 0
+    n_other = tl.where(ok, tl.minimum(local, TOPK - 1), -1)  # non-local blocks to pick
+    kk = tl.arange(0, TOPK_PAD)
+    ci = tl.arange(0, BLOCK_C)
+    row = part_ptr + (t.to(tl.int64) * HIDX + h) * NCAND
+    n_written = tl.where(ok, tl.minimum(NCAND, (local // CHUNK + 1) * KP), 0)  # chunks the partial kernel ran
+    best = _top_keys(tl.load(row + ci, mask=ci < n_written, other=-9223372036854775807, cache_modifier=".cg"),
+                     n_other, kk, TOPK_PAD)
+    for c0 in range(BLOCK_C, n_written, BLOCK_C):
+        keys = tl.load(row + c0 + ci, mask=c0 + ci < n_written, other=-9223372036854775807, cache_modifier=".cg")
+        best = _merge_tops(best, _top_keys(keys, n_other, kk, TOPK_PAD), n_other, kk, TOPK_PAD)
+    res = tl.where((kk < n_other) & (best > -9223372036854775807), 0x7FFFFFFF - best.to(tl.int32), -1)
+    res = tl.where(kk == n_other, local, res)
+    tl.store(out_ptr + h * stride_out_h + t.to(tl.int64) * stride_out_t + kk, res, mask=kk < TOPK)
+
+
 @triton.jit(do_not_specialize=["NCAND"])
 def _merge_kernel(
     part_ptr, pos_ptr, slot_ptr, out_ptr, stride_out_h, stride_out_t, page_size, NCAND,
     HIDX: tl.constexpr, BLOCK_C: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr,
 ):
-    """The best ``TOPK - 1`` of a row's ``NCAND`` candidates (a runtime count, so one build
-    serves every context length), streamed in pieces of ``BLOCK_C``: each piece's best list
-    merges into the running one (one piece: a single selection, as before pieces)."""
+    """Program ``(t, h)``: :func:`_merge_row` of row ``t``, head ``h``."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)
-    ok = slot >= 0
-    local = tl.load(pos_ptr + t).to(tl.int32) // page_size
-    n_other = tl.where(ok, tl.minimum(local, TOPK - 1), -1)  # non-local blocks to pick
-    kk = tl.arange(0, TOPK_PAD)
-    ci = tl.arange(0, BLOCK_C)
-    row = part_ptr + (t.to(tl.int64) * HIDX + h) * NCAND
-    n_written = tl.where(ok, tl.minimum(NCAND, (local // CHUNK + 1) * KP), 0)  # chunks the partial kernel ran
-    best = _top_keys(tl.load(row + ci, mask=ci < n_written, other=-9223372036854775807), n_other, kk, TOPK_PAD)
-    for c0 in range(BLOCK_C, n_written, BLOCK_C):
-        keys = tl.load(row + c0 + ci, mask=c0 + ci < n_written, other=-9223372036854775807)
-        best = _merge_tops(best, _top_keys(keys, n_other, kk, TOPK_PAD), n_other, kk, TOPK_PAD)
-    res = tl.where((kk < n_other) & (best > -9223372036854775807), 0x7FFFFFFF - best.to(tl.int32), -1)
-    res = tl.where(kk == n_other, local, res)
-    tl.store(out_ptr + h * stride_out_h + t.to(tl.int64) * stride_out_t + kk, res, mask=kk < TOPK)
+    _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, tl.program_id(1), tl.load(slot_ptr + t),
+               tl.load(pos_ptr + t).to(tl.int32) // page_size, NCAND, HIDX, BLOCK_C, TOPK, TOPK_PAD, CHUNK, KP)
 
 
 def _check(iq: Tensor, index_k_l: Tensor, out: Tensor, topk: int, page_size: int, T: int) -> None:
@@ -376,13 +408,15 @@ TILE_STAGES = 3
 
 
 def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
-            num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None, keep_all: bool = False) -> None:
+            num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None, keep_all: bool = False,
+            merge_last: bool = True) -> None:
     """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row.
 
     The partial kernel runs the fixed grid of ``cdiv(T, block_t)`` token tiles (one token per
-    program: ``_row_partial_kernel``), or with ``tiles`` (``int32 [n, 2]``, checked by the
-    caller) one program per ``(start, end)`` row range, one-row ranges in the one-token form;
-    the tiles must cover every row ``< T``: the merge reads every row's candidates.
+    program: ``_row_partial_kernel``, whose last chunk program of a row merges it unless
+    ``merge_last=False``), or with ``tiles`` (``int32 [n, 2]``, checked by the caller) one
+    program per ``(start, end)`` row range, one-row ranges in the one-token form; the tiles
+    must cover every row ``< T``: the merge reads every row's candidates.
     ``keep_all``: the partial kernel keeps every block of its chunk as a candidate
     (``KP = chunk``, no partial selection: small chunks at long context).
     """
@@ -404,9 +438,18 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     args = (iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
             meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
             buf.slot_mapping, part)
-    if tiles is None and block_t == 1:  # one token per program: its keys are the dot's rows
-        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, HP=row_heads(H, fp8_dot), **common,
+    merge = dict(HIDX=H, BLOCK_C=merge_piece(nc * kp, stable=keep_all), TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
+                 CHUNK=chunk, KP=kp)
+    merge_last = merge_last and tiles is None and block_t == 1
+    if merge_last:  # one token per program: its keys are the dot's rows, its last program merges
+        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1),
+                                             arrival_counters(iq.device, T), HP=row_heads(H, fp8_dot), **common,
+                                             MERGE_LAST=True, **{k: merge[k] for k in ("BLOCK_C", "TOPK", "TOPK_PAD")},
                                              **ROW_CONFIG)
+        return
+    if tiles is None and block_t == 1:
+        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1), part,
+                                             HP=row_heads(H, fp8_dot), **common, **ROW_CONFIG)
     else:
         # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
         # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad the tile to 64.
@@ -416,11 +459,8 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
             BLOCK_M=block_m, TILED=tiles is not None, FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
             HP=row_heads(H, fp8_dot), **common, num_warps=4 if block_m <= 64 else 8, num_stages=TILE_STAGES,
         )
-    block_c = merge_piece(nc * kp, stable=keep_all)
-    _merge_kernel[(T, H)](
-        part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size, nc * kp,
-        HIDX=H, BLOCK_C=block_c, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)), CHUNK=chunk, KP=kp, num_warps=1,
-    )
+    _merge_kernel[(T, H)](part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size,
+                          nc * kp, **merge, num_warps=1)
 
 
 def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device, key_bytes: int = 2) -> int:
@@ -437,7 +477,7 @@ def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device, key_byt
 
 
 def index_topk_decode(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
-                      chunk: int | None = None) -> None:
+                      chunk: int | None = None, merge_last: bool = True) -> None:
     """Graph-safe per-group top-k for one query row per entry of ``iq`` (decode, spec decode).
 
     Every row of ``iq`` is processed, with its position, sequence and slot read from the
@@ -451,12 +491,14 @@ def index_topk_decode(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, to
         topk: blocks per (group, token).
         out: ``int32 [H, >= T, topk]``; columns ``< T`` are written.
         chunk: key blocks per program (power of two); default from :func:`decode_chunk`.
+        merge_last: the last chunk program of a row merges it (no merge launch); ``False``: the
+            merge kernel after (the same selections; for comparisons).
     """
     T = iq.shape[0]
     _check(iq, index_k_l, out, topk, meta.page_size, T)
     cap = meta.block_tables.shape[1]
     chunk = chunk or decode_chunk(T, cap, iq.device, index_k_l.element_size())
-    _launch(iq, index_k_l, meta, out, topk, T, cap, 1, chunk)
+    _launch(iq, index_k_l, meta, out, topk, T, cap, 1, chunk, merge_last=merge_last)
 
 
 def default_block_t(num_index_heads: int) -> int:

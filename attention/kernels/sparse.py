@@ -15,7 +15,9 @@ One kernel, ``_attn_kernel``, grid (token tile, kv group, split):
   for dense layers until a faster dense backend is used;
 - with ``NSPLIT > 1`` (decode, and tiles of a tiled prefill) each program takes a slice of the
   visits (tiles: of the selection columns) and writes a partial output and its log2-sum-exp;
-  ``_merge_kernel`` combines the slices of every row some split program wrote.
+  ``_merge_group`` combines the slices of every row some split program wrote: in the last
+  split program of the row to finish where programs hold one token (``MERGE_LAST``,
+  :mod:`attention.kernels.arrival`), else in a launch of ``_merge_kernel`` after.
 The token tiles are the fixed grid of ``tile * BLOCK_T`` rows, or (``TILED``) an explicit list
 of ``(start, end)`` row ranges, one per program: :mod:`attention.kernels.tiles` builds
 request-aligned ones (a tile straddling unrelated requests shares nothing and walks both
@@ -33,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.arrival import arrival_counters, arrive
 from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import check_device, entry_at, interpreting, next_pow2, num_sms, pad_dim
 from attention.metadata import AttentionMetadata
@@ -83,10 +86,11 @@ def _attn_kernel(
     sel_ptr, stride_sel_h, stride_sel_t,
     bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr,
     out_ptr, stride_o_t, stride_o_h, po_ptr, plse_ptr,
-    T, page_size, qk_scale, BPS, tiles_ptr, scratch_ptr,
+    T, page_size, qk_scale, BPS, tiles_ptr, scratch_ptr, count_ptr,
     G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
     DENSE: tl.constexpr, DOT_F32: tl.constexpr, TILED: tl.constexpr = False, BT_PAD: tl.constexpr = 1,
+    MERGE_LAST: tl.constexpr = False, G_PAD: tl.constexpr = 2, S_PAD: tl.constexpr = 2, S_CHUNK: tl.constexpr = 1,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -207,21 +211,26 @@ def _attn_kernel(
         tl.store(po_ptr + prow[:, None] * BLOCK_D + d[None, :], o, mask=dmask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(plse_ptr + prow, lse, mask=row_ok)
+        if MERGE_LAST:  # one token per program: the last of its NSPLIT splits merges them
+            slot0 = tl.load(slot_ptr + t_lo, mask=t_lo < t_hi, other=-1)
+            if slot0 >= 0:
+                if arrive(count_ptr + t_lo * tl.num_programs(1) + g, NSPLIT):
+                    _merge_group(po_ptr, plse_ptr, out_ptr, stride_o_t, stride_o_h, t_lo, g, slot0, hq, G, D,
+                                 G_PAD, BLOCK_D, NSPLIT, S_PAD, S_CHUNK)
 
 
 @triton.jit
-def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
-                  G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                  NSPLIT: tl.constexpr, S_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
-    """out[t, heads of group g] = sum_s w_s o_s with w_s = 2^lse_s / sum 2^lse.
+def _merge_group(po_ptr, plse_ptr, out_ptr, stride_o_t, stride_o_h, t, g, slot, hq,
+                 G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                 NSPLIT: tl.constexpr, S_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
+    """out[t, heads of group g] = sum_s w_s o_s with w_s = 2^lse_s / sum 2^lse (``hq`` q heads
+    in all; a row with ``slot < 0`` is padding: nothing read or written).
 
     Every split's log-sum-exp is read at once, then the partial outputs in chunks of
     ``S_CHUNK`` splits whose loads do not wait on each other: a loop over the splits one at a
-    time waited two memory latencies per split (the log-sum-exp, then the output it masks)."""
-    t = tl.program_id(0)
-    g = tl.program_id(1)
-    hq = tl.num_programs(1) * G
-    slot = tl.load(slot_ptr + t)
+    time waited two memory latencies per split (the log-sum-exp, then the output it masks).
+    The reads go through L2 (``.cg``): a split program that merges (``arrival``) reads what
+    programs on other SMs have just written."""
     hh = tl.arange(0, G_PAD)
     d = tl.arange(0, BLOCK_D)
     ok = (hh < G) & (slot >= 0)
@@ -229,7 +238,7 @@ def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
     prow = (t.to(tl.int64) * hq + head) * NSPLIT
     ss = tl.arange(0, S_PAD)
     lse_all = tl.load(plse_ptr + prow[:, None] + ss[None, :], mask=ok[:, None] & (ss < NSPLIT)[None, :],
-                      other=float("-inf"))
+                      other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse_all, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # rows no split wrote: every weight 0
     l = tl.sum(tl.exp2(lse_all - m_safe[:, None]), axis=1)
@@ -238,11 +247,12 @@ def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
     for s0 in tl.static_range(0, NSPLIT, S_CHUNK):
         s = s0 + cc
         s_ok = ok[:, None] & (s < NSPLIT)[None, :]
-        w = tl.exp2(tl.load(plse_ptr + prow[:, None] + s[None, :], mask=s_ok, other=float("-inf")) - m_safe[:, None])
+        w = tl.exp2(tl.load(plse_ptr + prow[:, None] + s[None, :], mask=s_ok, other=float("-inf"),
+                            cache_modifier=".cg") - m_safe[:, None])
         row = prow[:, None] + s[None, :]
         # a split that saw no key (w = 0) may have left its output unwritten: never read it
         o = tl.load(po_ptr + row[:, :, None] * BLOCK_D + d[None, None, :], mask=(s_ok & (w > 0))[:, :, None],
-                    other=0.0)
+                    other=0.0, cache_modifier=".cg")
         acc += tl.sum(o.to(tl.float32) * w[:, :, None], axis=1)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     # l == 0: no split wrote this row (a real row always sees its own key): not the merge's
@@ -250,9 +260,26 @@ def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
              o.to(out_ptr.dtype.element_ty), mask=(ok & (l > 0))[:, None] & (d[None, :] < D))
 
 
+@triton.jit
+def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
+                  G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NSPLIT: tl.constexpr, S_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
+    """Program ``(t, g)``: :func:`_merge_group` of row ``t``, kv group ``g``."""
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    _merge_group(po_ptr, plse_ptr, out_ptr, stride_o_t, stride_o_h, t, g, tl.load(slot_ptr + t),
+                 tl.num_programs(1) * G, G, D, G_PAD, BLOCK_D, NSPLIT, S_PAD, S_CHUNK)
+
+
 # Partial outputs one merge program holds at once (``[G_PAD, S_CHUNK, BLOCK_D]``): 64 values a
 # thread of its 4 warps.
 MERGE_VALUES = 8192
+
+
+def _merge_tiles(G: int, nsplit: int, block_d: int) -> dict[str, int]:
+    """The merge's padded head and split counts and its split chunk (:func:`_merge_group`)."""
+    g_pad, s_pad = max(2, next_pow2(G)), max(2, next_pow2(nsplit))
+    return dict(G_PAD=g_pad, S_PAD=s_pad, S_CHUNK=max(1, min(s_pad, MERGE_VALUES // (g_pad * block_d))))
 
 
 def merge_splits(po: Tensor, plse: Tensor, slot_mapping: Tensor, out: Tensor, T: int, Hkv: int) -> None:
@@ -267,10 +294,8 @@ def merge_splits(po: Tensor, plse: Tensor, slot_mapping: Tensor, out: Tensor, T:
     """
     Hq, nsplit, block_d = po.shape[1], po.shape[2], po.shape[3]
     G = Hq // Hkv
-    g_pad, s_pad = max(2, next_pow2(G)), max(2, next_pow2(nsplit))
-    s_chunk = max(1, min(s_pad, MERGE_VALUES // (g_pad * block_d)))
     _merge_kernel[(T, Hkv)](po, plse, slot_mapping, out, out.stride(0), out.stride(1), G=G, D=out.shape[2],
-                            G_PAD=g_pad, BLOCK_D=block_d, NSPLIT=nsplit, S_PAD=s_pad, S_CHUNK=s_chunk, num_warps=4)
+                            BLOCK_D=block_d, NSPLIT=nsplit, **_merge_tiles(G, nsplit, block_d), num_warps=4)
 
 
 def _check(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, out: Tensor, page_size: int, T: int) -> None:
@@ -289,10 +314,11 @@ def _check(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, out: Tensor, page_si
 
 def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None, meta: AttentionMetadata,
             out: Tensor, scale: float, T: int, block_t: int, nsplit: int, bps: int, dense: bool,
-            tiles: Tensor | None = None) -> None:
+            tiles: Tensor | None = None, merge_last: bool = True) -> None:
     """One ``_attn_kernel`` launch (plus the split merge) over rows ``< T``: the fixed grid of
     ``cdiv(T, block_t)`` token tiles, or with ``tiles`` (``int32 [n, 2]``, checked by the
-    caller) one program per ``(start, end)`` row range."""
+    caller) one program per ``(start, end)`` row range. One token per program, the last split
+    of a row merges it (``arrival``; ``merge_last=False``: a merge launch after, the same bits)."""
     check_device("sparse attention", q, k_cache_l, out, *([] if tiles is None else [tiles]))
     assert block_t == 1 or not dense, "dense mode takes one token per program"
     programs = triton.cdiv(T, block_t) if tiles is None else tiles.shape[0]
@@ -320,6 +346,8 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
     # multi-token tiles: per program, the raw page ids and the union's pages and blocks
     scratch = (torch.empty(programs * Hkv * nsplit * 3 * bt_pad * k_pad, dtype=torch.int32, device=q.device)
                if block_t > 1 else buf.token_seq)
+    merge_last = merge_last and nsplit > 1 and block_t == 1 and tiles is None
+    counts = arrival_counters(q.device, T * Hkv) if merge_last else buf.token_seq
     _attn_kernel[(programs, Hkv, nsplit)](
         q, q.stride(0), q.stride(1),
         k_cache_l, v_cache_l, k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
@@ -327,16 +355,16 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         sel_t, sel_t.stride(0), sel_t.stride(1),
         meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
         buf.slot_mapping, out, out.stride(0), out.stride(1), po, plse,
-        T, meta.page_size, scale * _LOG2E, bps, buf.token_seq if tiles is None else tiles, scratch,
+        T, meta.page_size, scale * _LOG2E, bps, buf.token_seq if tiles is None else tiles, scratch, counts,
         G=G, D=D, TOPK=topk, K_PAD=k_pad, BLOCK_T=block_t, BLOCK_M=block_m,
         BLOCK_N=pad_dim(meta.page_size), BLOCK_D=block_d, NSPLIT=nsplit, DENSE=dense,
         DOT_F32=interpreting() or q.dtype == torch.float32,  # interpreter bf16 dot is wrong; fp32: no tf32
-        TILED=tiles is not None, BT_PAD=bt_pad,
+        TILED=tiles is not None, BT_PAD=bt_pad, MERGE_LAST=merge_last, **_merge_tiles(G, nsplit, block_d),
         # split tiles: one stage, so two programs share an SM (80 KB of shared memory each, 148
         # at two stages) and every split of a chunk's tiles runs at once
         num_warps=4 if block_m <= 64 else 8, num_stages=1 if block_t > 1 and nsplit > 1 else 2,
     )
-    if nsplit > 1:
+    if nsplit > 1 and not merge_last:
         merge_splits(po, plse, buf.slot_mapping, out, T, Hkv)
 
 
@@ -352,7 +380,8 @@ def decode_splits(num_rows: int, num_visits: int, device: torch.device) -> int:
 
 
 def sparse_attention_decode(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, topk_idx: Tensor,
-                            meta: AttentionMetadata, out: Tensor, scale: float, nsplit: int | None = None) -> None:
+                            meta: AttentionMetadata, out: Tensor, scale: float, nsplit: int | None = None,
+                            merge_last: bool = True) -> None:
     """Graph-safe split-K sparse attention for every row of ``q`` (decode, spec decode).
 
     Args:
@@ -363,6 +392,8 @@ def sparse_attention_decode(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, top
         out: ``[>= T, Hq, D]``; rows of real tokens are written.
         scale: softmax scale.
         nsplit: programs per (token, group); default :func:`decode_splits`.
+        merge_last: the last split of a row merges it (no merge launch); ``False``: the merge
+            kernel after (the same bits; for comparisons).
     """
     T = q.shape[0]
     _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
@@ -370,7 +401,8 @@ def sparse_attention_decode(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, top
     topk = topk_idx.shape[2]
     nsplit = min(topk, nsplit or decode_splits(T * k_cache_l.shape[2], topk, q.device))
     bps = triton.cdiv(topk, nsplit)
-    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, triton.cdiv(topk, bps), bps, False)
+    _launch(q, k_cache_l, v_cache_l, topk_idx, meta, out, scale, T, 1, triton.cdiv(topk, bps), bps, False,
+            merge_last=merge_last)
 
 
 def default_block_t(group: int) -> int:

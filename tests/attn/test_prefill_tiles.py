@@ -285,7 +285,8 @@ def test_tiled_rejects_bad_arguments():
 IDX_PTRS = {"bt_ptr": "i32", "table_rows_ptr": "i32", "token_seq_ptr": "i32", "pos_ptr": "i64", "slot_ptr": "i64",
             "part_ptr": "i64", "out_ptr": "i32", "tiles_ptr": "i32"}
 ATTN_PTRS = {"sel_ptr": "i32", "bt_ptr": "i32", "table_rows_ptr": "i32", "token_seq_ptr": "i32", "pos_ptr": "i64",
-             "slot_ptr": "i64", "po_ptr": "fp32", "plse_ptr": "fp32", "tiles_ptr": "i32"}
+             "slot_ptr": "i64", "po_ptr": "fp32", "plse_ptr": "fp32", "tiles_ptr": "i32",
+             "count_ptr": "i32"}
 
 
 def _partial(bt, h, chunk, tiled):

@@ -97,6 +97,26 @@ def test_decode_matches_reference_and_pads(chunk):
     assert_same_selection(out, run_ref(sc, 4))
 
 
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_decode_merge_in_last_program_equals_merge_launch(chunk):
+    """The last chunk program of a row merges it (``arrival``): the same selections as the
+    merge kernel, pad rows all ``-1``, every counter back at zero (the next launch counts
+    from it)."""
+    from attention.kernels.arrival import arrival_counters
+
+    sc = Scenario([(41, 1), (7, 1), (64, 1), (1, 1)], 2, 32, 4, seed=30 + (chunk or 0), spare_pages=12)
+    rows = sc.T + 3
+    outs = []
+    for merge_last in (False, True, True):  # twice: the counters the first launch left must be zeros
+        out = poisoned(sc, 4, rows)
+        indexer_triton.index_topk_decode(sc.iq[:rows], sc.cache.index_k_cache[0], sc.meta, 4, out, chunk,
+                                         merge_last=merge_last)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    assert (outs[1][:, sc.T:] == -1).all()
+    assert int(arrival_counters(sc.iq.device, 1).abs().sum()) == 0
+
+
 def test_decode_reads_only_device_buffers():
     """The graph-safety contract on CPU: after a re-plan (new contexts, pages, batch), a call
     holding the *old* metadata object must still see the new step through the buffers."""
@@ -163,7 +183,7 @@ def test_rejects_bad_arguments():
 
 
 IDX_PTRS = dict(bt_ptr="i32", table_rows_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64", part_ptr="i64",
-                out_ptr="i32")
+                out_ptr="i32", count_ptr="i32")
 
 
 def test_kernels_compile_for_hopper():
@@ -181,10 +201,10 @@ def test_kernels_compile_for_hopper():
         c = dict(HIDX=1, BLOCK_C=block_c, TOPK=16, TOPK_PAD=16, CHUNK=16, KP=16)
         return ["attention.kernels.indexer", "_merge_kernel", c, IDX_PTRS, [], 1, 3]
 
-    def row(h, chunk, fp8=False):  # the one-token (decode rows) kernel, as _launch runs it
+    def row(h, chunk, fp8=False, merge_last=False):  # the one-token (decode rows) kernel, as _launch runs it
         c = dict(HIDX=h, DI=128, HP=indexer_triton.row_heads(h, fp8), BLOCK_N=128, BLOCK_D=128, CHUNK=chunk,
-                 KP=min(15, chunk),
-                 DOT_F32=False, FP8_DOT=fp8)
+                 KP=min(15, chunk), DOT_F32=False, FP8_DOT=fp8,
+                 **(dict(MERGE_LAST=True, BLOCK_C=512, TOPK=16, TOPK_PAD=16) if merge_last else {}))
         ptrs = dict(IDX_PTRS, **({"ik_ptr": "fp8e4nv"} if fp8 else {}))
         return ["attention.kernels.indexer", "_row_partial_kernel", c, ptrs, [], indexer_triton.ROW_CONFIG["num_warps"],
                 indexer_triton.ROW_CONFIG["num_stages"]]
@@ -192,8 +212,15 @@ def test_kernels_compile_for_hopper():
     tiled = partial(indexer_triton.tile_block_t(1), 1, indexer_triton.TILED_CHUNK, keep_all=True)
     fp8_tiled = partial(indexer_triton.tile_block_t(1), 1, indexer_triton.TILED_CHUNK, keep_all=True, fp8=True)
     cases = [partial(1, 4, 4), partial(16, 4, 64), row(1, 64), partial(4, 2, 4, di=32, bn=16, f32=True),
-             tiled, merge(128), merge(512), row(4, 8), fp8_tiled, row(1, 64, fp8=True), row(8, 8, fp8=True)]
+             tiled, merge(128), merge(512), row(4, 8), fp8_tiled, row(1, 64, fp8=True), row(8, 8, fp8=True),
+             row(1, 64, merge_last=True), row(1, 64, fp8=True, merge_last=True)]
     reports = run_compile_reports(cases)
+    merging, reports = reports[11:], reports[:11]
+    for rep, plain in zip(merging, (reports[2], reports[9])):  # the merge in the last chunk program
+        # a GPU-scope count; the merge's registers stay below where 4 warps would bound occupancy
+        assert rep["acq_rel_atomics"] and not plain["acq_rel_atomics"], (rep, plain)
+        assert rep["spill_bytes"] == 0 and rep["regs"] <= max(128, plain["regs"] + 8), (rep, plain)
+        assert rep["copies_in_flight"] == plain["copies_in_flight"] and rep["k_loop_loads"] == 0, (rep, plain)
     for i in (1, 2, 4, 7):
         assert reports[i]["wgmma"], f"the prefill tiles and the key-row decode dot should use Hopper wgmma: {cases[i]}"
     for r in reports[8:]:  # widening the keys (or an mma.sync over f16) would spend what the bytes save
@@ -243,6 +270,31 @@ def test_cuda_real_shapes(ctx):
     out = poisoned(pre, topk, pre.T)
     indexer_triton.index_topk_prefill(pre.iq, pre.cache.index_k_cache[0], pre.meta, topk, out)
     assert_same_selection(out, run_ref(pre, topk), ref_scores(pre), atol=1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 32])
+def test_cuda_merge_in_last_program_is_exact_under_load(rows):
+    """Decode rows at ~32K context, hundreds of chunk programs at once on shared counters (one
+    row: ~256 programs on one counter): the merge in each row's last program selects exactly
+    what the merge launch selects, in each of 20 graph replays (a missed ordering would read a
+    stale candidate now and then)."""
+    topk = REAL["topk"]
+    sc = Scenario([(32768 - 97 * i, 1) for i in range(rows)], REAL["hkv"], REAL["di"], REAL["bs"], seed=11 + rows)
+    ik, iq = sc.cache.index_k_cache[0], sc.iq[: sc.T]
+    ref = poisoned(sc, topk, sc.T)
+    indexer_triton.index_topk_decode(iq, ik, sc.meta, topk, ref, merge_last=False)
+    out = poisoned(sc, topk, sc.T)
+    indexer_triton.index_topk_decode(iq, ik, sc.meta, topk, out)  # compile outside the capture
+    assert torch.equal(out, ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer_triton.index_topk_decode(iq, ik, sc.meta, topk, out)
+    for _ in range(20):
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
 
 
 @pytest.mark.cuda

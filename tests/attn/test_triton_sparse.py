@@ -121,6 +121,26 @@ def test_decode_split_matches_reference(nsplit):
     assert rel_err(out[: sc.T], sc.sparse_ref(sel)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("nsplit", [2, 4])
+def test_decode_merge_in_last_split_equals_merge_launch(nsplit):
+    """The last split of a row merges it (``arrival``): the same bits as the merge kernel, pad
+    rows untouched, every counter back at zero (the next launch counts from it)."""
+    from attention.kernels.arrival import arrival_counters
+
+    sc = Scenario([(41, 1), (7, 1), (64, 1), (1, 1)], 6, 2, 32, 4, 4, seed=50 + nsplit, dtype=torch.float32)
+    sel = torch.full((2, sc.q.shape[0], 4), 3, dtype=torch.int32, device=DEV)
+    sel[:, : sc.T] = sc.ref_selection()
+    outs = []
+    for merge_last in (False, True, True):  # twice: the counters the first launch left must be zeros
+        out = sc.poisoned_out()
+        sparse_triton.sparse_attention_decode(sc.q, sc.cache.k_cache[1], sc.cache.v_cache[1], sel, sc.meta, out,
+                                              sc.scale, nsplit, merge_last=merge_last)
+        outs.append(out)
+    assert outs[1][sc.T :].isnan().all(), "pad rows (slot -1) must not be written"
+    assert torch.equal(outs[0][: sc.T], outs[1][: sc.T]) and torch.equal(outs[1][: sc.T], outs[2][: sc.T])
+    assert int(arrival_counters(DEV, 1).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("graph_safe", [False, True])
 def test_dense_fallback_matches_reference(graph_safe):
     sc = Scenario([(13, 13), (30, 1), (22, 5)], 4, 2, 32, 4, 3, seed=30, dtype=torch.bfloat16)
@@ -206,14 +226,16 @@ def test_rejects_bad_arguments():
 
 
 ATTN_PTRS = dict(sel_ptr="i32", bt_ptr="i32", table_rows_ptr="i32", token_seq_ptr="i32", pos_ptr="i64", slot_ptr="i64",
-                 po_ptr="fp32", plse_ptr="fp32")
+                 po_ptr="fp32", plse_ptr="fp32", count_ptr="i32")
 
 
 def test_kernels_compile_for_hopper():
-    def attn(bt, g, nsplit, dense=False, d=128, bn=128, f32=False):
+    def attn(bt, g, nsplit, dense=False, d=128, bn=128, f32=False, merge_last=False):
         bm = max(16, 1 << (bt * g - 1).bit_length())
         c = dict(G=g, D=d, TOPK=16, K_PAD=16, BLOCK_T=bt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, NSPLIT=nsplit, DENSE=dense,
-                 DOT_F32=f32, BT_PAD=1 << (bt - 1).bit_length())
+                 DOT_F32=f32, BT_PAD=1 << (bt - 1).bit_length(),
+                 **(dict(MERGE_LAST=True, G_PAD=g, S_PAD=nsplit, S_CHUNK=max(1, 8192 // (g * d)))
+                    if merge_last else {}))
         ptrs = dict(ATTN_PTRS,
                     **({"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "out_ptr": "fp32"} if f32 else {}))
         return ["attention.kernels.sparse", "_attn_kernel", c, ptrs, ["qk_scale"], 4 if bm <= 64 else 8, 2]
@@ -221,9 +243,14 @@ def test_kernels_compile_for_hopper():
     merge = dict(G=16, D=128, G_PAD=16, BLOCK_D=128, NSPLIT=16, S_PAD=16, S_CHUNK=4)
     cases = [attn(1, 16, 16), attn(4, 16, 1), attn(8, 8, 1), attn(1, 16, 8, dense=True),
              attn(4, 2, 1, d=32, bn=16, f32=True),
-             ["attention.kernels.sparse", "_merge_kernel", merge, ATTN_PTRS, [], 4, 3]]
+             ["attention.kernels.sparse", "_merge_kernel", merge, ATTN_PTRS, [], 4, 3],
+             attn(1, 16, 16, merge_last=True), attn(1, 8, 16, merge_last=True), attn(1, 8, 16)]
     reports = run_compile_reports(cases)
     assert reports[1]["wgmma"], "the 64-row prefill tile should use Hopper wgmma"
+    for rep, plain in ((reports[6], reports[0]), (reports[7], reports[8])):  # the merge in the last split
+        # a GPU-scope count; the merge's registers stay below where 4 warps would bound occupancy
+        assert rep["acq_rel_atomics"] and not plain["acq_rel_atomics"], (rep, plain)
+        assert rep["spill_bytes"] == 0 and rep["regs"] <= max(128, plain["regs"] + 8), (rep, plain)
 
 
 # ---- GPU: real shapes -----------------------------------------------------------------------
@@ -273,6 +300,31 @@ def test_cuda_real_shapes(ctx):
             sparse_triton.dense_attention_triton(sc.q, sc.cache.k_cache[0], sc.cache.v_cache[0], sc.meta, out_d,
                                                  sc.scale, graph_safe=False)
             assert rel_err(out_d[: sc.T], sc.dense_ref()) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 32])
+def test_cuda_merge_in_last_split_is_exact_under_load(rows):
+    """Decode rows at ~32K context, every (row, group)'s splits at once on shared counters: the
+    merge in the last split gives the merge launch's bits, in each of 20 graph replays (a missed
+    ordering would read a stale partial now and then)."""
+    hq, hkv, d, bs, topk = 64, 4, 128, 128, 16
+    sc = Scenario([(32768 - 97 * i, 1) for i in range(rows)], hq, hkv, d, bs, topk, seed=90 + rows)
+    sel = random_selection(sc.meta, sc.T, hkv, topk, bs, sc.g)
+    k, v, q = sc.cache.k_cache[1], sc.cache.v_cache[1], sc.q[: sc.T]
+    ref = sc.poisoned_out()[: sc.T]
+    sparse_triton.sparse_attention_decode(q, k, v, sel, sc.meta, ref, sc.scale, merge_last=False)
+    out = sc.poisoned_out()[: sc.T]
+    sparse_triton.sparse_attention_decode(q, k, v, sel, sc.meta, out, sc.scale)  # compile outside the capture
+    assert torch.equal(out, ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_triton.sparse_attention_decode(q, k, v, sel, sc.meta, out, sc.scale)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
 
 
 @pytest.mark.cuda

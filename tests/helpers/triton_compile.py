@@ -37,14 +37,15 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
     its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "fp8_wgmma": bool,
     "wgmma_reg_a": bool, "ldmatrix": bool, "cp_async": bool, "k_loop_loads": n,
-    "copies_in_flight": n}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they are;
+    "copies_in_flight": n, "acq_rel_atomics": bool}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they are;
     ``wgmma_reg_a``: a wgmma takes its first operand from registers; ``ldmatrix``: some operand
     goes from shared memory to registers through ``ldmatrix``; ``cp_async``: some load is
     pipelined through asynchronous copies into shared memory;
     ``k_loop_loads``: loads left synchronous in a loop that feeds a dot, each a full memory
     latency per step; ``copies_in_flight``: the fewest asynchronous copies such a loop leaves
     in flight where it waits, ``num_stages - 2`` when fully pipelined, 0 where a step waits for
-    the copy it just issued, -1 with no such wait).
+    the copy it just issued, -1 with no such wait; ``acq_rel_atomics``: some atomic orders memory
+    at GPU scope, as a last-arrival count does).
 
     A development check (the interpreter accepts code the compiler rejects, e.g. sibling
     branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
@@ -53,6 +54,7 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     launches. Must run where ``TRITON_INTERPRET`` is off (the tests use a subprocess).
     """
     import importlib
+    import inspect
     import re
     import subprocess
     import tempfile
@@ -63,6 +65,9 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
 
     fn = getattr(importlib.import_module(module), kernel)
     ptr_dtypes = ptr_dtypes or {}
+    # constexprs left out take their defaults, as a launch that leaves them out does
+    unset = inspect.Parameter.empty
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not unset}, **constexprs}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -92,7 +97,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                 fp8_wgmma=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
                 wgmma_reg_a=bool(re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", ptx)), ldmatrix="ldmatrix" in ptx,
                 cp_async="cp.async" in ptx, k_loop_loads=k_loop_loads(compiled.asm["ttgir"]),
-                copies_in_flight=copies_in_flight(compiled.asm["ttgir"]))
+                copies_in_flight=copies_in_flight(compiled.asm["ttgir"]),
+                acq_rel_atomics=bool(re.search(r"atom\.\S*\.acq_rel\.", ptx)))
 
 
 def k_loop_loads(ttgir: str) -> int:
