@@ -33,11 +33,13 @@ script itself. About 30 s on an H200 (``--budget-s`` stops the sweeps early).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -114,6 +116,19 @@ class Step:
         return torch.where(same[None, :, None], self.sel[:, t0], self.sel)
 
 
+@contextlib.contextmanager
+def module_settings(module: types.ModuleType, settings: dict[str, object]) -> Iterator[None]:
+    """``module``'s attributes set to ``settings`` inside the block, restored after."""
+    saved = {name: getattr(module, name) for name in settings}
+    for name, value in settings.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict]:
     from attention.kernels import indexer, sparse, sparse_blocks
     from attention.kernels.tiles import TilePlanner
@@ -164,17 +179,11 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
         if over_budget() or bt < 1:
             continue
         tt = tiles(bt)
-        saved = {name: getattr(indexer, name) for name in settings}
-        for name, value in settings.items():
-            setattr(indexer, name, value)
-        try:
+        with module_settings(indexer, settings):
             label = " ".join(f"{k.removeprefix('TILE_').lower()}={v}" for k, v in settings.items())
             idx_row(f"tiled bt={bt} chunk={chunk or indexer.TILED_CHUNK} {label}".rstrip(),
                     lambda tt=tt, chunk=chunk: indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel,
                                                                                 tt, chunk), 2)
-        finally:
-            for name, value in saved.items():
-                setattr(indexer, name, value)
     indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx)
     patterns = [(st.sel, "indexer")] + [(st.shared_selection(r, d.block), f"shared{r}") for r in (8, 32, 128)]
 
@@ -206,15 +215,9 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
         for label, settings in variants:
             if label and (over_budget() or tag != "indexer"):
                 continue
-            saved = {name: getattr(sparse_blocks, name) for name in settings}
-            for name, value in settings.items():
-                setattr(sparse_blocks, name, value)
-            try:
+            with module_settings(sparse_blocks, settings):
                 att_row("block-major" + label, lambda sel=sel, plan=block_plan: blocks(
                     st.q, st.k, st.v, sel, meta, st.out, st.scale, plan), 4)  # zeroed counts, buckets, blocks, merge
-            finally:
-                for name, value in saved.items():
-                    setattr(sparse_blocks, name, value)
         for bt in (bt_att, bt_att // 2, bt_att * 2):
             if bt < 2 or (bt != bt_att and over_budget()):
                 continue

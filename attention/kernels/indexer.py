@@ -438,18 +438,13 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     args = (iq, iq.stride(0), iq.stride(1), index_k_l, index_k_l.stride(0), index_k_l.stride(1),
             meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.token_seq, buf.positions,
             buf.slot_mapping, part)
-    merge = dict(HIDX=H, BLOCK_C=merge_piece(nc * kp, stable=keep_all), TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
-                 CHUNK=chunk, KP=kp)
+    merge = dict(BLOCK_C=merge_piece(nc * kp, stable=keep_all), TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)))
     merge_last = merge_last and tiles is None and block_t == 1
-    if merge_last:  # one token per program: its keys are the dot's rows, its last program merges
-        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1),
-                                             arrival_counters(iq.device, T), HP=row_heads(H, fp8_dot), **common,
-                                             MERGE_LAST=True, **{k: merge[k] for k in ("BLOCK_C", "TOPK", "TOPK_PAD")},
+    if tiles is None and block_t == 1:  # one token per program: its keys are the dot's rows
+        counts = arrival_counters(iq.device, T) if merge_last else part  # unread without MERGE_LAST
+        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1), counts,
+                                             HP=row_heads(H, fp8_dot), **common, MERGE_LAST=merge_last, **merge,
                                              **ROW_CONFIG)
-        return
-    if tiles is None and block_t == 1:
-        _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1), part,
-                                             HP=row_heads(H, fp8_dot), **common, **ROW_CONFIG)
     else:
         # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
         # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad the tile to 64.
@@ -459,8 +454,9 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
             BLOCK_M=block_m, TILED=tiles is not None, FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
             HP=row_heads(H, fp8_dot), **common, num_warps=4 if block_m <= 64 else 8, num_stages=TILE_STAGES,
         )
-    _merge_kernel[(T, H)](part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size,
-                          nc * kp, **merge, num_warps=1)
+    if not merge_last:
+        _merge_kernel[(T, H)](part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size,
+                              nc * kp, HIDX=H, CHUNK=chunk, KP=kp, **merge, num_warps=1)
 
 
 def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device, key_bytes: int = 2) -> int:
