@@ -37,7 +37,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
     its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "fp8_wgmma": bool,
     "wgmma_reg_a": bool, "ldmatrix": bool, "cp_async": bool, "k_loop_loads": n,
-    "copies_in_flight": n, "acq_rel_atomics": bool}`` (``fp8_wgmma``: a wgmma takes e4m3 operands as they are;
+    "copies_in_flight": n, "acq_rel_atomics": bool, "narrow_shared_loads": n}`` (``fp8_wgmma``: a
+    wgmma takes e4m3 operands as they are;
     ``wgmma_reg_a``: a wgmma takes its first operand from registers; ``ldmatrix``: some operand
     goes from shared memory to registers through ``ldmatrix``; ``cp_async``: some load is
     pipelined through asynchronous copies into shared memory;
@@ -45,7 +46,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     latency per step; ``copies_in_flight``: the fewest asynchronous copies such a loop leaves
     in flight where it waits, ``num_stages - 2`` when fully pipelined, 0 where a step waits for
     the copy it just issued, -1 with no such wait; ``acq_rel_atomics``: some atomic orders memory
-    at GPU scope, as a last-arrival count does).
+    at GPU scope, as a last-arrival count does; ``narrow_shared_loads``: shared-memory loads of
+    one or two bytes a thread).
 
     A development check (the interpreter accepts code the compiler rejects, e.g. sibling
     branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
@@ -98,7 +100,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                 wgmma_reg_a=bool(re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", ptx)), ldmatrix="ldmatrix" in ptx,
                 cp_async="cp.async" in ptx, k_loop_loads=k_loop_loads(compiled.asm["ttgir"]),
                 copies_in_flight=copies_in_flight(compiled.asm["ttgir"]),
-                acq_rel_atomics=bool(re.search(r"atom\.\S*\.acq_rel\.", ptx)))
+                acq_rel_atomics=bool(re.search(r"atom\.\S*\.acq_rel\.", ptx)),
+                narrow_shared_loads=len(re.findall(r"ld\.shared\.[bu](?:8|16)\b", ptx)))
 
 
 def k_loop_loads(ttgir: str) -> int:

@@ -296,7 +296,8 @@ def test_fp8_mma_kernels_compile_for_hopper():
                ["alpha", "limit"], 8, 1]]
     f16 = moe._mma_candidates(1054, f16=True) + [dataclasses.replace(c, mma_f16=True) for c in moe._mma_candidates(1)]
     cases += [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
-                      "DOT_F32": False, "F16": True}, dict(ptrs, xq_ptr="fp16", aq_ptr="fp16"), [], 4, c.mma_num_stages]
+                      "DOT_F32": False, "F16": True}, dict(ptrs, xq_ptr="fp16", aq_ptr="fp16"),
+               [], c.mma_num_warps, c.mma_num_stages]
               for c in f16 for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
     reports = run_compile_reports(cases)
     gemms, rest = reports[:2 * len(configs)], reports[2 * len(configs) + 2:]
@@ -305,9 +306,10 @@ def test_fp8_mma_kernels_compile_for_hopper():
     decode = gemms[: 2 * len(moe._mma_candidates(1))]
     assert all(65536 // (r["regs"] * 128) >= 3 and r["shared"] <= 227 * 1024 // 3 for r in decode), decode
     # f16 form: the dequantised weights are wgmma's register operand, straight from the layout the
-    # weights leave shared memory in (no ldmatrix: no second trip through shared memory), every
-    # load streamed, at least two programs per SM
-    assert all(r["wgmma_reg_a"] and not r["ldmatrix"] and r["cp_async"] and r["k_loop_loads"] == 0
+    # weights leave shared memory in (no second trip through shared memory), read in K order as
+    # 16-byte vectors (no one- or two-byte loads; the one ldmatrix left reads the scale words),
+    # every load streamed, at least two programs per SM
+    assert all(r["wgmma_reg_a"] and r["narrow_shared_loads"] == 0 and r["cp_async"] and r["k_loop_loads"] == 0
                and 65536 // (r["regs"] * 128) >= 2 for r in rest), rest
 
 
@@ -614,11 +616,26 @@ def test_fp8_mma_f16_candidates_track_the_dequantized_weights(T):
     configs = [c for c in moe.moe_config_candidates(T, f16=True, fp8_mma=True) if c.mma_f16]
     assert all(c.fp8_mma for c in configs) and bool(configs) == (T > 64)  # offered at prefill sizes only
     # the path itself takes any T and tile: decode-sized tiles, K splits, two warpgroups
-    configs += [moe.MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=n, mma_block_t=t, mma_split=sp)
-                for n, t, sp in ((64, 16, 1), (64, 16, 4), (128, 16, 3))]
+    configs += [moe.MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=n, mma_block_t=t, mma_split=sp, mma_num_warps=w)
+                for n, t, sp, w in ((64, 16, 1, 4), (64, 16, 4, 4), (128, 16, 3, 4), (64, 128, 1, 4), (128, 64, 1, 8))]
     for cfg in configs:
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
         assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 1e-3), cfg
+
+
+def test_k_order_is_the_order_permute_k_writes():
+    """The f16 form's K order: ``permute_k`` puts column ``32q + 2j + b`` of
+    every 128 at ``8j + 2q + b`` (the activation's store shares its ``to_k_order``; the MoE tests
+    check the K-ordered dots against the plain sums), and refuses rows it cannot order."""
+    K = 384
+    v = torch.arange(2 * K, dtype=torch.float32).reshape(2, K)
+    c = torch.arange(K)
+    want = torch.empty_like(v)
+    want[:, (c // 128) * 128 + ((c % 32) // 2) * 8 + ((c % 128) // 32) * 2 + c % 2] = v
+    assert torch.equal(mma.permute_k(v).float(), want)
+    assert sorted(want[0].tolist()) == v[0].tolist()  # a permutation of each row
+    with pytest.raises(ValueError, match="permute_k needs rows of whole 128-column groups"):
+        mma.permute_k(torch.zeros(2, 200))
 
 
 def test_mma_f16_is_a_form_of_the_fp8_mma_tiles():

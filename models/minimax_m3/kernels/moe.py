@@ -104,8 +104,9 @@ class MoEConfig:
         fp8_mma: MXFP8 weights only: the fp8 tensor-core path of ``moe_fp8_mma`` (weights as
             the dots' e4m3 operand, the rows split into two e4m3 parts; no dequantise) with its
             own tiles: ``mma_block_n`` weight rows per program (64: one wgmma), ``mma_block_t``
-            pairs per tile (the wgmma N), ``mma_split`` programs splitting each K, and
-            ``mma_num_stages``. The other tile fields are unused then.
+            pairs per tile (the wgmma N), ``mma_split`` programs splitting each K,
+            ``mma_num_stages`` and ``mma_num_warps`` (8: two warpgroups split the tile). The
+            other tile fields are unused then.
         gemv: MXFP8 weights only: the weight-row kernels of ``moe_gemv`` (no ``tl.dot``; fp32
             accumulators, an expert's pairs one at a time), for steps of a few tokens
             (``moe_gemv.GEMV_MAX_TOKENS``): ``gemv_block_n`` weight rows per program (gate/up: half of
@@ -136,6 +137,7 @@ class MoEConfig:
     mma_block_t: int = 16
     mma_split: int = 1
     mma_num_stages: int = 4
+    mma_num_warps: int = 4
     mma_f16: bool = False
     gemv: bool = False
     gemv_block_n: int = 4
@@ -149,9 +151,11 @@ class MoEConfig:
         for name in ("gu_num_warps", "down_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"MoEConfig.{name} must be one of 1, 2, 4, 8, 16, got {getattr(self, name)}")
-        if self.mma_block_n not in (64, 128) or self.mma_block_t not in (8, 16, 32, 64) or self.mma_split < 1:
-            raise ValueError(f"MoEConfig: mma_block_n must be 64 or 128, mma_block_t one of 8, 16, 32, 64 and "
-                             f"mma_split >= 1, got {self.mma_block_n}, {self.mma_block_t}, {self.mma_split}")
+        if self.mma_block_n not in (64, 128) or self.mma_block_t not in (8, 16, 32, 64, 128) or self.mma_split < 1 \
+                or self.mma_num_warps not in (4, 8):
+            raise ValueError(f"MoEConfig: mma_block_n must be 64 or 128, mma_block_t one of 8, 16, 32, 64, 128, "
+                             f"mma_split >= 1 and mma_num_warps 4 or 8, got {self.mma_block_n}, {self.mma_block_t}, "
+                             f"{self.mma_split}, {self.mma_num_warps}")
         if self.mma_f16 and not self.fp8_mma:
             raise ValueError("MoEConfig.mma_f16 is a form of the fp8_mma tiles: set fp8_mma=True too")
         if self.gemv_block_n < 2 or self.gemv_block_n & (self.gemv_block_n - 1) or self.gemv_block_k < 128 \
@@ -222,9 +226,11 @@ def _mma_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
     ``f16`` (scales within ``F16_SCALE_EXPONENTS``): at prefill sizes one set of the f16
     form (``mma_f16``: 64 weight rows, 64-pair tiles, 3 stages), the fastest MXFP8 MoE the
     H200 measured at T=1054 (666 us against 726 for the best dequantising set; bf16 weights
-    558). At decode sizes the f16 form ran as fast as the others but not faster (T=1 59.6 vs
-    55.3 us, T=32 172.9 vs 168.7, T=64 324.9 vs 319.0; benchmarks/results/mxfp8_round4/), so
-    it is not offered there."""
+    558), and in K order 12.5% faster again (H100: 684.5 -> 598.7 us; 128-pair tiles, 8 warps
+    over 128 weight rows and 2-3 stages of those were 656-916 us, benchmarks/results/mxfp8_round8/).
+    At decode sizes the f16 form ran as fast as the others but not faster (H200, T=1 59.6 vs
+    55.3 us, T=32 172.9 vs 168.7, T=64 324.9 vs 319.0; in K order on the H100, T=32 182.4 vs
+    183.6, T=64 353.2 vs 354.4), so it is not offered there."""
     if num_tokens > _DECODE_MAX_TOKENS:
         return [MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3)] if f16 else []
     return [MoEConfig(fp8_mma=True, mma_block_n=64, mma_block_t=16, mma_split=split, mma_num_stages=4)
@@ -689,7 +695,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
-                            cfg.mma_f16)
+                            cfg.mma_f16, cfg.mma_num_warps)
     elif gemv:
         y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                          sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)

@@ -25,21 +25,23 @@ The f16 form (``mma_f16``, ``_dequant_rows``) keeps the tiles and drops that cha
 tile is dequantised to f16 in registers, in the layout wgmma takes its first operand from, and
 one K = 128 dot per step accumulates in place against f16 rows (x, then the activation, in f16;
 no row split). The H200 measured it the fastest MXFP8 MoE at prefill sizes (T=1054: 666 vs 726
-us for the best dequantising set) and level with the others at decode; its own limit is the
-dequantise plus the scale words read one per weight row per step (a plain kernel: ~3.1 TB/s
-without scales, 2.1-2.9 with them in the checkpoint's row-major layout, 3.2 step-major).
+us for the best dequantising set) and level with the others at decode. Its K runs in the order
+wgmma's register operand hands a thread its columns (``to_k_order``: x and the activation are
+stored so, the weight tile permuted in registers): a thread then reads 32 contiguous weight
+bytes of one scale block per row as two 16-byte shared loads, where in column order it read 32
+two-byte pairs (H100, T=1054: 684.5 -> 598.7 us).
 
 Launches, after ``moe_align`` (same sorted pairs as the other paths):
 
 1. ``split_rows``: x ``[T, H]`` -> ``xq [2, T, H]`` e4m3 and ``fx [T]`` (``2**-e``); the f16 form
-   converts x to f16 instead.
+   converts x to f16 in K order instead (``permute_k``).
 2. ``_moe_mma_gate_up_kernel``, grid ``(E + 1, max(2I, 2Is) / BLOCK_N, split)``: the pre-activations
    ``h[s, pos, n] = fx * sum_k W13[n, k] xq[tok(pos), k]`` over K-range ``s`` of H, fp32.
    Gate and up rows are separate N-tiles (twice the programs of a fused tile, so one expert at
    decode 1 still spreads over ~100 programs); the split over H adds programs where there are
    few pairs.
 3. ``_moe_swiglu_split_kernel``, one program per sorted pair: sums the splits, SwiGLU-OAI in fp32,
-   splits the activation row like x (``aq [2, P + T, I]``, ``fa``), or stores it in f16.
+   splits the activation row like x (``aq [2, P + T, I]``, ``fa``), or stores it in f16 in K order.
 4. ``_moe_mma_down_kernel``, grid ``(E + 1, H / BLOCK_N, split)``: ``y[s, pos, h] = w_pair * fa *
    sum_k W2[h, k] aq[pos, k]`` over K-range ``s`` of I (Is for the shared expert).
 5. ``moe``'s combine kernel sums the splits and the pairs in a fixed order.
@@ -124,7 +126,8 @@ def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, s
                          F16: tl.constexpr = False):
     """Sorted pair ``r``: ``act = SwiGLU-OAI(sum_s h[s, r, :N], sum_s h[s, r, N:2N])`` (N = I for
     a routed pair, Is for a shared one), split like x into ``aq[:, r]`` and ``fa[r]``, or with
-    ``F16`` stored as f16 in ``aq[0, r]`` (``fa`` unused)."""
+    ``F16`` stored as f16 in ``aq[0, r]`` in K order (``to_k_order``; ``fa`` unused; ``BLOCK`` a
+    multiple of 128, as I and Is are)."""
     r = tl.program_id(0)
     n_routed = tl.load(off_ptr + E)
     if r < tl.load(off_ptr + E + 1):
@@ -141,6 +144,7 @@ def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, s
         u = tl.minimum(tl.maximum(u, -limit), limit)
         a = tl.where(ok, g * tl.sigmoid(alpha * g) * (u + 1.0), 0.0)
         if F16:
+            a = to_k_order(a, BLOCK)  # within 128-column groups: N still masks the same columns
             tl.store(aq_ptr + r.to(tl.int64) * stride_aq + c, a.to(tl.float16), mask=ok)
         else:
             _store_split_row(a, r, c, ok, aq_ptr, stride_aq_part, stride_aq, fa_ptr)
@@ -150,7 +154,8 @@ def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, 
                  f16: bool = False) -> tuple[Tensor, Tensor]:
     """The activations of the gate/up pre-activations ``h [split, P + T, 2 * max(I, Is)]``:
     ``aq [2, P + T, max(I, Is)]`` e4m3 and ``fa [P + T]`` (rows past ``off[E + 1]`` untouched),
-    or with ``f16`` ``aq [1, P + T, max(I, Is)]`` f16 (``fa`` unused)."""
+    or with ``f16`` ``aq [1, P + T, max(I, Is)]`` f16, its columns in K order (``to_k_order``;
+    ``fa`` unused)."""
     S, R, _ = h.shape
     width = max(I, Is)
     aq = torch.empty(1 if f16 else 2, R, width, dtype=torch.float16 if f16 else torch.float8_e4m3fn, device=h.device)
@@ -172,6 +177,40 @@ def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, 
                                float(alpha), float(limit), E=E, SPLIT=S, BLOCK=block, F16=f16,
                                num_warps=8 if block >= 4096 else 4)
     return aq, fa
+
+
+@triton.jit
+def to_k_order(v, BLOCK: tl.constexpr):
+    """``v [BLOCK]`` (whole 128-column groups of a row) in the f16 form's K order: within each 128
+    columns, column ``32q + 2j + b`` (``q < 4``, ``j < 16``, ``b < 2``) goes to ``8j + 2q + b``, the
+    order in which wgmma's register operand hands a thread its columns."""
+    return tl.reshape(tl.permute(tl.reshape(v, (BLOCK // 128, 4, 16, 2)), (0, 2, 1, 3)), (BLOCK,))
+
+
+@triton.jit
+def _permute_k_kernel(v_ptr, stride_v, out_ptr, stride_out, BLOCK: tl.constexpr):
+    """Columns ``[program_id(1) * BLOCK, +BLOCK)`` of row ``program_id(0)``, in f16 and K order."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + r * stride_v + c)
+    tl.store(out_ptr + r * stride_out + c, to_k_order(v, BLOCK).to(tl.float16))
+
+
+def permute_k(v: Tensor) -> Tensor:
+    """``v [R, K]`` (K a multiple of 128) in f16 with its columns in K order (``to_k_order``):
+    the rows a K-ordered dot takes as its B operand. One kernel (a strided torch copy of the same
+    permutation took 25 us for x at 1054 rows on the H100, against 20 for the plain f16 cast)."""
+    R, K = v.shape
+    if K % 128 or v.stride(1) != 1:
+        raise ValueError(f"permute_k needs rows of whole 128-column groups, contiguous; got {tuple(v.shape)}, "
+                         f"strides {v.stride()}")
+    block = 128
+    while block < 1024 and K % (2 * block) == 0:
+        block *= 2
+    out = torch.empty(R, K, dtype=torch.float16, device=v.device)
+    if R:
+        _permute_k_kernel[(R, K // block)](v, v.stride(0), out, out.stride(0), BLOCK=block, num_warps=4)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,8 +257,8 @@ def _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N: tl.conste
     """``acc [BLOCK_N, BLOCK_T] = sum_{k in [k_beg, k_end)} (W[n, k] * scale[n, k // 32]) * B[k, t]``
     with the weights dequantised to f16 in registers: ``w_base [BLOCK_N, 128]`` points at each
     weight row's first 128 columns, ``s_base [BLOCK_N, 1]`` at its int32 scale words, ``b_base
-    [128, BLOCK_T]`` at each f16 B column's first 128 entries; ``b_ok [1, BLOCK_T]`` masks the B
-    columns. ``k_beg`` a multiple of ``MMA_BLOCK_K``.
+    [128, BLOCK_T]`` at each f16 B column's first 128 entries, stored in K order (``to_k_order``);
+    ``b_ok [1, BLOCK_T]`` masks the B columns. ``k_beg`` a multiple of ``MMA_BLOCK_K``.
 
     The dequantised tile is the dot's first operand, which wgmma takes from registers: no trip
     back through shared memory, and one f16 dot of K = 128 per step, accumulated in place (the
@@ -235,8 +274,14 @@ def _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N: tl.conste
         # Triton dequantise in another layout and convert through shared memory, with a barrier)
         words = tl.load(s_base + k0 // 128 + blk // 4)
         f = scale_factor((words >> (8 * blk)) & 0xFF, True)
-        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, 4, 32)), (BLOCK_N, 128))
-        w = tl.load(w_base + k0).to(tl.float16) * f
+        # the dot's column 8j + 2q + b is the step's column 32q + 2j + b (``to_k_order``, as B's
+        # rows are stored): a thread's 32 weights of a row are then 32 contiguous bytes of one
+        # scale block (two 16-byte shared loads, one factor); in column order they were 2-byte
+        # pairs of four blocks (H100, T=1054: gate/up 402 -> 327 us, down 237 -> 209)
+        f = tl.reshape(tl.broadcast_to(f[:, None, :, None], (BLOCK_N, 16, 4, 2)), (BLOCK_N, 128))
+        w = tl.load(w_base + k0)
+        w = tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, 4, 16, 2)), (0, 2, 1, 3)), (BLOCK_N, 128))
+        w = w.to(tl.float16) * f
         b = tl.load(b_base + k0, mask=b_ok, other=0.0)
         if DOT_F32:
             acc = tl.dot(w.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -372,7 +417,7 @@ def _k_per_split(k: int, split: int) -> int:
 def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
                     scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
                     sorted_pairs: Tensor, K: int, block_n: int, block_t: int, split: int, num_stages: int,
-                    f16: bool = False) -> Tensor:
+                    f16: bool = False, num_warps: int = 4) -> Tensor:
     """The per-pair expert outputs ``y [split, P + T, H]`` fp32 (weighted, splits unsummed) of the
     sorted pairs ``(off, sorted_pairs)`` of ``moe_align``; ``moe.fused_moe`` combines them.
     Shapes as ``moe.fused_moe``'s (checked there), fitting ``fits_fp8_mma``. ``f16``: the
@@ -386,7 +431,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
     dot_f32 = interpreting()
     s13, s2, ssgu, ssd = (scale_words(s) for s in scales)
     if f16:
-        xq, fx = x.to(torch.float16)[None], x  # fx unread
+        xq, fx = permute_k(x)[None], x  # fx unread
     else:
         xq, fx = split_rows(x)
     width = max(I, Is)
@@ -396,7 +441,8 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0),
         sorted_pairs, off, h, h.stride(0), h.stride(1), T, H, I, Is, _k_per_split(H, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=4, num_stages=num_stages)
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=num_warps,
+        num_stages=num_stages)
     aq, fa = swiglu_split(h, off, E, I, Is, alpha, limit, f16)
     y = torch.empty(split, P + T, H, dtype=torch.float32, device=dev)
     _moe_mma_down_kernel[(E + 1, triton.cdiv(H, block_n), split)](
@@ -404,7 +450,8 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0),
         topk_w, sorted_pairs, off, y, y.stride(0), y.stride(1), T, H, I, Is, _k_per_split(width, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=4, num_stages=num_stages)
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=num_warps,
+        num_stages=num_stages)
     return y
 
 
