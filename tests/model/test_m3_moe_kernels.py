@@ -313,6 +313,17 @@ def test_fp8_mma_kernels_compile_for_hopper():
                and 65536 // (r["regs"] * 128) >= 2 for r in rest), rest
 
 
+def test_k_order_kernels_compile_for_hopper():
+    """The f16 form's row kernels at the real shapes: x to f16 in K order, and the SwiGLU store in
+    K order (a permutation in registers; compiled without spills)."""
+    M = "models.minimax_m3.kernels.moe_fp8_mma"
+    ptrs = {"v_ptr": "bf16", "out_ptr": "fp16", "h_ptr": "fp32", "off_ptr": "i32", "aq_ptr": "fp16", "fa_ptr": "fp32"}
+    swiglu = {"E": REAL["E"], "SPLIT": 1, "BLOCK": 4096, "F16": True}
+    reports = run_compile_reports([[M, "_permute_k_kernel", {"BLOCK": 1024}, ptrs, [], 4, 1],
+                                   [M, "_moe_swiglu_split_kernel", swiglu, ptrs, ["alpha", "limit"], 8, 1]])
+    assert all(r["spill_bytes"] == 0 for r in reports), reports
+
+
 def test_gemv_kernels_compile_for_hopper():
     """The weight-row MoE at the real shapes: no tensor cores, every weight and scale-word load
     streamed through asynchronous copies, no spills."""
