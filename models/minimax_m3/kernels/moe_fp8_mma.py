@@ -144,7 +144,7 @@ def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, s
         u = tl.minimum(tl.maximum(u, -limit), limit)
         a = tl.where(ok, g * tl.sigmoid(alpha * g) * (u + 1.0), 0.0)
         if F16:
-            a = to_k_order(a, BLOCK)  # within 128-column groups: N still masks the same columns
+            a = to_k_order(a)  # within 128-column groups: N still masks the same columns
             tl.store(aq_ptr + r.to(tl.int64) * stride_aq + c, a.to(tl.float16), mask=ok)
         else:
             _store_split_row(a, r, c, ok, aq_ptr, stride_aq_part, stride_aq, fa_ptr)
@@ -180,11 +180,11 @@ def swiglu_split(h: Tensor, off: Tensor, E: int, I: int, Is: int, alpha: float, 
 
 
 @triton.jit
-def to_k_order(v, BLOCK: tl.constexpr):
-    """``v [BLOCK]`` (whole 128-column groups of a row) in the f16 form's K order: within each 128
-    columns, column ``32q + 2j + b`` (``q < 4``, ``j < 16``, ``b < 2``) goes to ``8j + 2q + b``, the
-    order in which wgmma's register operand hands a thread its columns."""
-    return tl.reshape(tl.permute(tl.reshape(v, (BLOCK // 128, 4, 16, 2)), (0, 2, 1, 3)), (BLOCK,))
+def to_k_order(v):
+    """``v`` (rows of whole 128-column groups: ``[C]`` or ``[R, C]``) in the f16 form's K order:
+    within each 128 columns, column ``32q + 2j + b`` (``q < 4``, ``j < 16``, ``b < 2``) goes to
+    ``8j + 2q + b``, the order in which wgmma's register operand hands a thread its columns."""
+    return tl.reshape(tl.permute(tl.reshape(v, (v.numel // 128, 4, 16, 2)), (0, 2, 1, 3)), v.shape)
 
 
 @triton.jit
@@ -193,7 +193,7 @@ def _permute_k_kernel(v_ptr, stride_v, out_ptr, stride_out, BLOCK: tl.constexpr)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + r * stride_v + c)
-    tl.store(out_ptr + r * stride_out + c, to_k_order(v, BLOCK).to(tl.float16))
+    tl.store(out_ptr + r * stride_out + c, to_k_order(v).to(tl.float16))
 
 
 def permute_k(v: Tensor) -> Tensor:
@@ -279,9 +279,7 @@ def _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N: tl.conste
         # scale block (two 16-byte shared loads, one factor); in column order they were 2-byte
         # pairs of four blocks (H100, T=1054: gate/up 402 -> 327 us, down 237 -> 209)
         f = tl.reshape(tl.broadcast_to(f[:, None, :, None], (BLOCK_N, 16, 4, 2)), (BLOCK_N, 128))
-        w = tl.load(w_base + k0)
-        w = tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, 4, 16, 2)), (0, 2, 1, 3)), (BLOCK_N, 128))
-        w = w.to(tl.float16) * f
+        w = to_k_order(tl.load(w_base + k0)).to(tl.float16) * f
         b = tl.load(b_base + k0, mask=b_ok, other=0.0)
         if DOT_F32:
             acc = tl.dot(w.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
