@@ -117,11 +117,12 @@ for part in "${parts[@]}"; do
     moeconfigs) # MOE_CONFIGS_T tokens, MOE_CONFIGS the ';'-joined configs (benchmarks/bench_moe_configs.py)
                 $T python3 benchmarks/bench_moe_configs.py --tokens ${MOE_CONFIGS_T:-1054} --configs "${MOE_CONFIGS:-default}" --kernels --json "$OUT/bench_moe_configs.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     fp8linear)  $T python3 benchmarks/bench_mxfp8_linear.py --json "$OUT/bench_mxfp8_linear.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
-    mxfp8)      # 60-layer steps, bf16 then MXFP8 (the same preset quantized), uniform routing by default
+    mxfp8)      # 60-layer steps, bf16 then MXFP8 (the same preset quantized), uniform routing by default;
+                # MXFP8_ARGS adds flags to both runs (e.g. --layers 30 where 60 bf16 layers do not fit)
                 rc=0
                 for q in bf16 mxfp8; do
                   flag=""; [ "$q" = mxfp8 ] && flag="--quantization mxfp8"
-                  $T python3 benchmarks/bench_steps.py --routing ${MXFP8_ROUTING:-uniform} $flag --label "$q" --decode ${MXFP8_DECODE:-1,8,32,64} --iters ${MXFP8_ITERS:-10} --json "$OUT/bench_steps_$q.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                  $T python3 benchmarks/bench_steps.py --routing ${MXFP8_ROUTING:-uniform} $flag --label "$q" --decode ${MXFP8_DECODE:-1,8,32,64} --iters ${MXFP8_ITERS:-10} ${MXFP8_ARGS:-} --json "$OUT/bench_steps_$q.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 done ;;
     mxserve)    # serving, bf16 then MXFP8, the same requests (c30 default workload, calibrated routing)
                 $T python3 examples/serve_sim.py --preset rank-of-8 --weights bf16,mxfp8 --modes ${SERVE_MODES:-full_and_piecewise} --json "$OUT/serve_sim_mxfp8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
