@@ -48,6 +48,7 @@ from .routing import RoutingSimulation, routing_simulation, select_experts
 
 if TYPE_CHECKING:  # the kernels import Triton; the torch op table must not need it
     from .kernels.moe import MoEScales
+    from .kernels.moe_align import MoEAlignment
 
 PRODUCERS = ("auto", "torch", "triton")
 MOE_IMPLS = ("auto", "grouped", "loop")
@@ -238,46 +239,41 @@ class FusedMoE:
 
     def route(self, moe: BlockSparseMoE, x: torch.Tensor,
               num_real_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._route(moe, x, num_real_tokens, self.simulation)
+        return self._route(moe, x, num_real_tokens, self.simulation)[:2]
 
     @staticmethod
     def _route(moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None,
-               simulation: RoutingSimulation | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router, then the simulation if any (one kernel: ``kernels.routing_sim``). Returns
-        this rank's local ids int32 ``[T, k]`` (-1: padding or another rank's expert) and the
-        weights fp32 ``[T, k]`` (0 where the id is -1)."""
+               simulation: RoutingSimulation | None,
+               align: bool = False) -> tuple[torch.Tensor, torch.Tensor, MoEAlignment | None]:
+        """The router, the simulation if any inside its top-k kernel (``kernels.routing_sim``).
+        Returns this rank's local ids int32 ``[T, k]`` (-1: padding or another rank's expert),
+        the weights fp32 ``[T, k]`` (0 where the id is -1) and, with ``align`` where one
+        program holds every pair (decode steps), the fused MoE's alignment of the ids, made in
+        the top-k kernel's last program (else None: ``fused_moe`` aligns)."""
+        from .kernels.moe_align import alignment_buffers, aligns_in_one_program
         from .kernels.router import route_triton
-        from .kernels.routing_sim import simulated_routing_triton
 
-        T, K, E = x.shape[0], moe.top_k, moe.gate.weight.shape[0]
+        T, K, E = x.shape[0], moe.top_k, moe.experts.num_experts
         ids = torch.empty(T, K, dtype=torch.int32, device=x.device)
         w = torch.empty(T, K, dtype=torch.float32, device=x.device)
-        if simulation is None:
-            route_triton(x, moe.gate.weight, moe.e_score_correction_bias, K, moe.scale, num_real_tokens,
-                         moe.expert_offset, moe.experts.num_experts, ids, w)
-            return ids, w
-        simulation.check_experts(E)
-        picks, picked_w = torch.empty_like(ids), torch.empty_like(w)
-        # Every pick global and unmasked (all experts "local" to rank 0), then re-picked and kept
-        # where this rank holds the simulated expert.
-        route_triton(x, moe.gate.weight, moe.e_score_correction_bias, K, moe.scale, num_real_tokens, 0, E, picks,
-                     picked_w)
-        simulated_routing_triton(x, picks, picked_w, simulation.strategy == "uniform", simulation.stride(E), E,
-                                 moe.expert_offset, moe.experts.num_experts, ids, w)
-        return ids, w
+        aligned = alignment_buffers(T, K, E, x.device) if align and aligns_in_one_program(T, K, E) else None
+        route_triton(x, moe.gate.weight, moe.e_score_correction_bias, K, moe.scale, num_real_tokens,
+                     moe.expert_offset, E, ids, w, simulation=simulation, align_out=aligned)
+        return ids, w, aligned
 
     def experts(self, moe: BlockSparseMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                config: object | None = None) -> torch.Tensor:
+                config: object | None = None, aligned: MoEAlignment | None = None) -> torch.Tensor:
         from .kernels.moe import fused_moe
 
         out = torch.empty_like(x)
         sh = moe.shared_experts
         return fused_moe(x, ids, w, moe.experts.w13, moe.experts.w2, sh.gate_up_proj.weight, sh.down_proj.weight,
-                         moe.alpha, moe.limit, out, config=config or self._config(x.shape[0]), scales=moe_scales(moe))
+                         moe.alpha, moe.limit, out, config=config or self._config(x.shape[0]), scales=moe_scales(moe),
+                         aligned=aligned)
 
     def __call__(self, moe: BlockSparseMoE, x: torch.Tensor, num_real_tokens: torch.Tensor | None) -> torch.Tensor:
-        ids, w = self.route(moe, x, num_real_tokens)
-        return self.experts(moe, x, ids, w)
+        ids, w, aligned = self._route(moe, x, num_real_tokens, self.simulation, align=True)
+        return self.experts(moe, x, ids, w, aligned=aligned)
 
     def _config(self, num_tokens: int) -> object:
         from .kernels.moe import default_moe_config
@@ -377,7 +373,7 @@ class FusedMoE:
         """The probe's routing: the router's weights, uniform expert ids (``RoutingSimulation``),
         so candidates are timed on the expert spread a balanced, trained model gives, not on the
         few experts a random router may favour."""
-        return self._route(moe, x, None, _PROBE_ROUTING)
+        return self._route(moe, x, None, _PROBE_ROUTING)[:2]
 
     @staticmethod
     def _probe(model: torch.nn.Module, num_tokens: int) -> tuple[BlockSparseMoE, torch.Tensor] | None:

@@ -46,7 +46,7 @@ SPREAD_WARNING = 0.8  # below this fraction of the uniform expectation a figure 
 MoEOp = Callable[[BlockSparseMoE, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 _M32 = 0xFFFFFFFF
-_KEY_COLUMNS = 64  # hidden-state columns hashed into a token's key (enough to tell tokens apart)
+KEY_COLUMNS = 64  # hidden-state columns hashed into a token's key (enough to tell tokens apart)
 MAX_SIMULATED_EXPERTS = 256
 
 
@@ -102,7 +102,7 @@ def _expert_hash(x: torch.Tensor, num_experts: int) -> torch.Tensor:
     ``kernels.routing_sim``, computes the same values and picks the same experts in the same
     order). The key mixes the fp32 bits of the token's first hidden columns. Integer
     arithmetic, every product below 2**63."""
-    cols = x[:, :_KEY_COLUMNS].float().contiguous().view(torch.int32).to(torch.int64) & _M32
+    cols = x[:, :KEY_COLUMNS].float().contiguous().view(torch.int32).to(torch.int64) & _M32
     mult = torch.arange(cols.shape[1], device=x.device, dtype=torch.int64) * 2_654_435 + 40_503
     key = ((cols * mult) & _M32).sum(-1) & 0x7FFFFFFF  # [T], 31 bits
     e = torch.arange(num_experts, device=x.device, dtype=torch.int64)

@@ -220,6 +220,7 @@ def test_configs_and_errors():
 # ---- compile for Hopper at the real rank-of-8 shapes ----------------------------------------
 
 MOE = "models.minimax_m3.kernels.moe"
+ALIGN = "models.minimax_m3.kernels.moe_align"
 MOE_PTRS = {"ids_ptr": "i32", "hist_ptr": "i32", "off_ptr": "i32", "sorted_ptr": "i32", "pos_ptr": "i32",
             "topk_w_ptr": "fp32", "y_ptr": "fp32"}
 REAL = {"H": 6144, "I": 3072, "Is": 384, "E": 16, "K": 4}
@@ -251,9 +252,9 @@ def moe_compile_cases(cfg, even=True, fp8=False, f16=False, words=True):
 def test_kernels_compile_for_hopper():
     configs = moe.moe_config_candidates(1) + moe.moe_config_candidates(1054)  # defaults: [0] and [4]
     align = {"K": 4, "E": 16, "E_PAD": 16, "NB_PAD": 32, "CHUNK": 256}
-    cases = [[MOE, "_moe_count_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 256}, MOE_PTRS, [], 8, 1],
-             [MOE, "_moe_align_kernel", align, MOE_PTRS, [], 8, 1],
-             [MOE, "_moe_align_kernel", dict(align, NB_PAD=2, CHUNK=16), MOE_PTRS, [], 4, 1],
+    cases = [[ALIGN, "_moe_count_kernel", {"K": 4, "E": 16, "E_PAD": 16, "CHUNK": 256}, MOE_PTRS, [], 8, 1],
+             [ALIGN, "_moe_align_kernel", align, MOE_PTRS, [], 8, 1],
+             [ALIGN, "_moe_align_kernel", dict(align, NB_PAD=2, CHUNK=16), MOE_PTRS, [], 4, 1],
              [MOE, "_moe_combine_kernel", {"K": 4, "BLOCK": 1024, "SPLIT": 2}, MOE_PTRS, [], 4, 1]]
     for cfg in configs:
         cases += moe_compile_cases(cfg)

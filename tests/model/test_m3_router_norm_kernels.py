@@ -19,6 +19,8 @@ from helpers.triton_compile import run_compile_reports
 from models.minimax_m3 import layers
 from models.minimax_m3.kernels import norm as nk
 from models.minimax_m3.kernels import router as rk
+from models.minimax_m3.kernels.moe_align import align_chunk, alignment_buffers, aligns_in_one_program, moe_align
+from models.minimax_m3.routing import RoutingSimulation
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16 values (the interpreter truncates, a GPU rounds)
 POISON_ID = 12345
@@ -377,7 +379,9 @@ def test_norm_rejects_bad_arguments():
 
 REAL_E, REAL_H, REAL_K, H200_SMS = 128, 6144, 4, 132
 ROUTER_PTRS = {"x_ptr": "bf16", "w_ptr": "fp32", "part_ptr": "fp32", "bias_ptr": "fp32", "nrt_ptr": "i64",
-               "local_ptr": "i32", "wout_ptr": "fp32", "glob_ptr": "i32"}
+               "local_ptr": "i32", "wout_ptr": "fp32", "glob_ptr": "i32", "count_ptr": "i32", "off_ptr": "i32",
+               "sorted_ptr": "i32", "pos_ptr": "i32"}
+REAL_LOCAL = 16  # local experts of a rank-of-8 rank
 
 
 def router_cases(T):
@@ -387,8 +391,13 @@ def router_cases(T):
     topk = {"E": REAL_E, "K": REAL_K, "E_PAD": REAL_E, "K_PAD": REAL_K, "SPLITS": c.splits,
             "SPLITS_PAD": max(2, 1 << (c.splits - 1).bit_length()), "HAS_NRT": True, "HAS_GLOBAL": True}
     mod = "models.minimax_m3.kernels.router"
-    return [[mod, "_router_logits_kernel", gemv, ROUTER_PTRS, [], c.gemv_warps, 3],
-            [mod, "_router_topk_kernel", topk, ROUTER_PTRS, ["scale"], c.topk_warps, 3]]
+    cases = [[mod, "_router_logits_kernel", gemv, ROUTER_PTRS, [], c.gemv_warps, 3],
+             [mod, "_router_topk_kernel", topk, ROUTER_PTRS, ["scale"], c.topk_warps, 3]]
+    if aligns_in_one_program(T, REAL_K, REAL_LOCAL):  # decode: the simulation and the alignment inside
+        fused = dict(topk, SIMULATE=True, UNIFORM=True, ALIGN=True, NL=REAL_LOCAL, NL_PAD=REAL_LOCAL,
+                     CHUNK=align_chunk(T * REAL_K, REAL_LOCAL))
+        cases.append([mod, "_router_topk_kernel", fused, ROUTER_PTRS, ["scale"], c.topk_warps, 3])
+    return cases
 
 
 def norm_case(H, fused):
@@ -406,7 +415,7 @@ def bf16_split_case(T):
 
 
 def test_kernels_compile_for_hopper():
-    cases = router_cases(1) + router_cases(8) + router_cases(1054)
+    cases = router_cases(1) + router_cases(8) + router_cases(64) + router_cases(1054)
     cases += [norm_case(REAL_H, False), norm_case(REAL_H, True), norm_case(3 * REAL_H, True)]
     cases.append(bf16_split_case(1054))
     reports = run_compile_reports(cases)
@@ -414,6 +423,42 @@ def test_kernels_compile_for_hopper():
         assert rep["spill_bytes"] == 0, (case[1], case[2], rep)
         assert rep["regs"] <= 128, (case[1], case[2], rep)  # >= 2 programs of 4 warps per SM
     assert reports[-1]["wgmma"], "the three-part bf16 dot should use Hopper wgmma"
+
+
+@pytest.mark.parametrize("T,nrt,strategy", [(1, None, None), (5, 3, "uniform"), (64, 60, "balanced")])
+def test_router_aligns_the_pairs_in_its_last_program(T, nrt, strategy):
+    """``route_triton(align_out=...)``: the top-k kernel's last program makes the same alignment
+    of the local ids that ``moe_align`` makes of them (offsets, positions and sorted pairs, the
+    same ints; padded rows and other ranks' pairs dropped), with the routing simulation in the
+    same kernel or without it, and leaves the arrival counter at zero."""
+    case = RouteCase(T, 64, 32, seed=40 + T)
+    aligned = alignment_buffers(T, 4, 16, DEV)
+    for buf in aligned:
+        buf.fill_(POISON_ID)
+    sim = RoutingSimulation(strategy) if strategy else None
+    local, wts, _ = case.run(rk.route_triton, 4, 2.0, nrt, 16, 16, simulation=sim, align_out=aligned)
+    want = moe_align(local, 16)
+    assert torch.equal(aligned.off, want.off) and torch.equal(aligned.pair_pos, want.pair_pos)
+    n = int(want.off[-1])  # routed pairs, then every row's shared pair
+    assert n == int((local >= 0).sum()) + T and torch.equal(aligned.sorted_pairs[:n], want.sorted_pairs[:n])
+    if nrt is not None:
+        assert (local[nrt:] == -1).all()
+    from attention.kernels.arrival import arrival_counters
+
+    assert not arrival_counters(case.x.device, 1).any()
+
+
+def test_router_align_refusals():
+    """Alignment in the top-k kernel only where one program holds every pair, into buffers of
+    the step's shapes; refused before any launch, with what to do instead."""
+    assert aligns_in_one_program(64, 4, 16) and not aligns_in_one_program(65, 4, 16)
+    case = RouteCase(65, 64, 32, seed=3)
+    with pytest.raises(ValueError, match="more than one align program; leave align_out None"):
+        case.run(rk.route_triton, 4, 2.0, None, 16, 16, align_out=alignment_buffers(65, 4, 16, DEV))
+    small = RouteCase(2, 64, 32, seed=4)
+    bad = alignment_buffers(2, 4, 16, DEV)._replace(pair_pos=torch.empty(9, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match=r"align_out.pair_pos must be a contiguous int32 \[10\] tensor"):
+        small.run(rk.route_triton, 4, 2.0, None, 16, 16, align_out=bad)
 
 
 # --------------------------------------------------------------------------------------------

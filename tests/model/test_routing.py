@@ -166,23 +166,52 @@ def test_uniform_expectation_formula():
     assert s.uniform_pairs == pytest.approx(0.5)
 
 
+DRAWS = 5  # decode batches whose expert spread the GPU test averages
+
+
+def uniform_mean_distinct_floor(draws: int, tokens: int, top_k: int, experts: int, local: int,
+                                quantile: float = 1e-3, samples: int = 20000) -> float:
+    """The ``quantile`` of the mean, over ``draws`` batches of ``tokens`` tokens each picking
+    ``top_k`` distinct experts of ``experts`` uniformly, of the distinct experts among
+    ``local`` of them a batch touches (Monte Carlo, fixed seed)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    picks = torch.rand(samples * draws * tokens, experts, generator=g, device=DEV).argsort(1)[:, :top_k]
+    picks = picks.reshape(samples * draws, tokens * top_k)
+    touched = torch.stack([(picks == e).any(1) for e in range(local)], 1).sum(1).float()
+    return float(torch.quantile(touched.view(samples, draws).mean(1), quantile))
+
+
+def test_uniform_mean_distinct_floor():
+    """The floor sits below the uniform expectation and tightens with more batches."""
+    one, five = (uniform_mean_distinct_floor(n, 32, 4, 128, 16, samples=2000) for n in (1, 5))
+    expected = 16 * (1 - (1 - 4 / 128) ** 32)  # 10.2
+    assert one < five < expected and five > 0.7 * expected and one < 0.5 * expected
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("routing", ["model", "uniform", "balanced"])
 def test_simulated_routing_replays_bit_exact_to_padded_eager_on_gpu(routing):
     """rank-of-8 shapes (4 layers) with the fused kernels: the simulation runs inside the
     captured graphs, and every replay equals the padded debug-eager run of the same step bit for
-    bit; the calibrated model and the uniform simulation spread like uniform routing."""
+    bit; the calibrated model and the uniform simulation spread like uniform routing (the mean
+    of several decode batches), the balanced one over every local expert."""
     config = MiniMaxM3Config.rank_of_8().first_layers(4)
     buckets = (1, 2, 4, 8, 32)
     capture = CaptureConfig(enabled=True, max_tokens=64, buckets=buckets)
     graphed = build_from_preset(config, "cuda", torch.bfloat16, max_tokens=64, max_seqs=32, max_seq_len=96,
                                 capture=capture, routing=routing)
     padded = graphed.with_capture(dataclasses.replace(capture, debug_eager=True))
-    s = measure_routing_spread(graphed, batch=32)
-    assert s.routing == routing
-    # one MoE layer, one batch: the distinct count of 32 uniform tokens varies by about 1.3 of 10.2,
-    # so this asks for "realistic" (>= 0.8x); the 60-layer benchmarks report the mean
-    assert s.realistic if routing != "balanced" else s.distinct == (16,) * len(s.distinct), s.describe()
+    spreads = [measure_routing_spread(graphed, batch=32, seed=seed) for seed in range(DRAWS)]
+    assert all(s.routing == routing for s in spreads)
+    if routing == "balanced":
+        assert all(s.distinct == (16,) * len(s.distinct) for s in spreads), spreads[0].describe()
+    else:
+        # One MoE layer: one batch of 32 uniform tokens touches 10.2 of 16 local experts with a
+        # spread of 1.85, below 0.8x 18% of the time, so one batch cannot tell realistic from
+        # concentrated. The mean of DRAWS batches must reach what uniform routing's mean reaches
+        # 99.9% of the time (the concentrated random router read 3.7).
+        mean = sum(s.distinct[0] for s in spreads) / DRAWS
+        assert mean >= uniform_mean_distinct_floor(DRAWS, 32, 4, 128, 16), [s.describe() for s in spreads]
     graphed.capture()
     assert graphed.validate() == {}
     gen = torch.Generator().manual_seed(0)
@@ -211,18 +240,22 @@ def expert_parallel_moe(rank: int) -> BlockSparseMoE:
 @pytest.mark.parametrize("strategy", ["uniform", "balanced"])
 @pytest.mark.parametrize("rank", [0, 3])
 def test_fused_routing_simulation_picks_what_the_torch_one_picks(strategy, rank):
-    """The one-kernel simulation of the fused MoE (``kernels.routing_sim``; the interpreter on
-    CPU, the GPU when there is one) keeps exactly the torch simulation's picks that this rank
-    holds, with the router's weights, and the fused MoE under it equals the torch MoE under it."""
+    """The fused MoE's simulation, inside the router's top-k kernel (``kernels.routing_sim``;
+    the interpreter on CPU, the GPU when there is one) keeps exactly the torch simulation's
+    picks that this rank holds, with the router's weights, and the fused MoE under it equals the torch MoE under it."""
     moe, sim = expert_parallel_moe(rank).to(DEV), RoutingSimulation(strategy)
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(6)).to(DEV)
     n = torch.tensor([5], device=DEV)
-    ids, w = FusedMoE._route(moe, x, n, sim)
+    ids, w, aligned = FusedMoE._route(moe, x, n, sim, align=True)
     ref_ids, ref_w = select_experts(moe, x, n, sim)  # global ids, every pick's weight
     local = ref_ids - 8 * rank
     held = (ref_ids >= 0) & (local >= 0) & (local < 8)
     assert torch.equal(ids, torch.where(held, local, -1).to(torch.int32))
     torch.testing.assert_close(w, torch.where(held, ref_w, 0.0), rtol=1e-6, atol=1e-7)
     assert held.any() and (ids[5:] == -1).all()
+    from models.minimax_m3.kernels.moe_align import moe_align
+
+    want = moe_align(ids, 8)  # the alignment the router's last program made of the same ids
+    assert torch.equal(aligned.off, want.off) and torch.equal(aligned.pair_pos, want.pair_pos)
     fused = FusedMoE(KernelTuner(time_candidates=False), sim)(moe, x, n)
     torch.testing.assert_close(fused, TorchMoE(True, sim)(moe, x, n), rtol=1e-4, atol=1e-5)

@@ -14,12 +14,12 @@ shared expert.
 "Sorted pairs" design, four launches, so each expert's weights are read once per M-tile of the
 pairs routed to it (once per step at decode) and never for an expert with no pairs:
 
-1. ``_moe_align_kernel`` (one program per chunk of pairs, after ``_moe_count_kernel``'s per-chunk
-   histograms where there are several chunks; a decode step's one chunk counts its own pairs):
-   per-expert pair counts and offsets, the pair ids in
-   expert order (routed pair ``p = t*K + k``, shared pair ``p = T*K + t``; the shared expert is
-   expert ``E`` and holds every row), and each pair's sorted position (``-1`` when dropped).
-   Ranks are running sums in pair order, so the order is stable and the same every run.
+1. ``moe_align`` (one program per chunk of pairs, after per-chunk histograms where there are
+   several chunks; a decode step's one chunk counts its own pairs, or the router's last top-k
+   program does: ``aligned``): per-expert pair counts and offsets, the pair ids in expert
+   order (routed pair ``p = t*K + k``, shared pair ``p = T*K + t``; the shared expert is expert
+   ``E`` and holds every row), and each pair's sorted position (``-1`` when dropped). Ranks are
+   running sums in pair order, so the order is stable and the same every run.
 2. ``_moe_gate_up_kernel``, grid ``(E + 1, max(cdiv(I, BLOCK_N), cdiv(Is, BLOCK_N_SHARED)),
    m_split)``: gathers the x rows of an M-tile of the expert's pairs, two ``tl.dot`` s over H
    (gate and up rows of the same N-tile), the SwiGLU-OAI epilogue, ``act`` rows stored at the
@@ -62,6 +62,7 @@ from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
 from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_words
+from .moe_align import MoEAlignment, moe_align
 from .moe_experts import down_weights
 from .moe_fp8_mma import MMA_BLOCK_K, experts_fp8_mma, fits_fp8_mma
 from .moe_gemv import GEMV_MAX_TOKENS, experts_gemv
@@ -273,88 +274,6 @@ def _shared_candidates(num_tokens: int) -> list[MoEConfig]:
 
 # --------------------------------------------------------------------------------------------
 # Triton
-
-
-@triton.jit(do_not_specialize=["T"])
-def _moe_count_kernel(ids_ptr, hist_ptr, T, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                      CHUNK: tl.constexpr):
-    """``hist[b, e]``: pairs of chunk ``b`` (``CHUNK`` consecutive routed pairs) routed to ``e``."""
-    b = tl.program_id(0)
-    P = T * K
-    e_idx = tl.arange(0, E_PAD)
-    p = b * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-    hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
-    tl.store(hist_ptr + b * E_PAD + e_idx, tl.sum(hit.to(tl.int32), axis=0))
-
-
-@triton.jit(do_not_specialize=["T"])
-def _moe_align_kernel(ids_ptr, hist_ptr, off_ptr, sorted_ptr, pos_ptr, T, NB,
-                      K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-                      CHUNK: tl.constexpr, SINGLE: tl.constexpr = False):
-    """Offsets ``off[E + 2]``, sorted pair ids and pair positions, one program per chunk.
-
-    Every program reads all chunks' histograms (``[NB, E]``, a few KB): the totals give the
-    experts' start offsets, the sum over earlier chunks this chunk's base per expert, and a
-    cumsum inside the chunk each pair's rank; so pairs keep their order within an expert and no
-    atomics are needed (deterministic). The shared expert's rows ``t`` of this chunk's range are
-    pairs ``T*K + t`` after every routed pair. ``SINGLE``: one chunk holds every pair (every
-    decode step), and the program counts them itself: no histogram launch before it.
-    """
-    b = tl.program_id(0)
-    P = T * K
-    e_idx = tl.arange(0, E_PAD)
-    p = b * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-    hit = (ids[:, None] == e_idx[None, :]) & (ids[:, None] >= 0) & (e_idx[None, :] < E)
-    hit32 = hit.to(tl.int32)
-    if SINGLE:
-        counts = tl.sum(hit32, axis=0)
-        before = tl.zeros([E_PAD], dtype=tl.int32)
-    else:
-        r_idx = tl.arange(0, NB_PAD)
-        hist = tl.load(hist_ptr + r_idx[:, None] * E_PAD + e_idx[None, :], mask=r_idx[:, None] < NB, other=0)
-        counts = tl.sum(hist, axis=0)
-        before = tl.sum(tl.where(r_idx[:, None] < b, hist, 0), axis=0)
-    starts = tl.cumsum(counts, axis=0) - counts
-    n_routed = tl.sum(counts, axis=0)
-    if b == 0:
-        tl.store(off_ptr + e_idx, starts, mask=e_idx < E)
-        tl.store(off_ptr + E, n_routed)
-        tl.store(off_ptr + E + 1, n_routed + T)
-    rank = tl.cumsum(hit32, axis=0)  # inclusive, per expert column
-    pos = tl.sum(tl.where(hit, (starts + before)[None, :] + rank - 1, 0), axis=1)
-    valid = tl.sum(hit32, axis=1) > 0
-    pos = tl.where(valid, pos, -1)
-    tl.store(pos_ptr + p, pos, mask=p < P)
-    tl.store(sorted_ptr + pos, p, mask=valid & (p < P))  # a permutation of the valid pairs: no conflicts
-    t = b * CHUNK + tl.arange(0, CHUNK)  # chunks of pairs cover every row too (T <= T*K)
-    tl.store(pos_ptr + P + t, n_routed + t, mask=t < T)
-    tl.store(sorted_ptr + n_routed + t, P + t, mask=t < T)
-
-
-def moe_align(topk_ids: Tensor, num_experts: int, chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Expert offsets ``int32 [E + 2]`` (routed experts, then the shared expert, then the end),
-    sorted pair ids ``int32 [T*K + T]`` and each pair's sorted position ``int32 [T*K + T]``
-    (``-1`` for dropped pairs) from local ``topk_ids [T, K]``; two launches whose grids depend on
-    T only, one where a single chunk holds every pair (at rank-of-8 up to 64 tokens: every decode
-    step). ``chunk``: pairs per program (power of two; default fills a 4096-element one-hot)."""
-    T, K = topk_ids.shape
-    E = num_experts
-    P, dev = T * K, topk_ids.device
-    e_pad = max(2, next_pow2(E))
-    chunk = chunk or max(16, min(4096 // e_pad, next_pow2(max(P, 1))))
-    nb = triton.cdiv(P, chunk)
-    hist = torch.empty(nb, e_pad, dtype=torch.int32, device=dev)
-    off = torch.empty(E + 2, dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(P + T, dtype=torch.int32, device=dev)
-    pair_pos = torch.empty(P + T, dtype=torch.int32, device=dev)
-    warps = 4 if chunk * e_pad <= 2048 else 8
-    if nb > 1:
-        _moe_count_kernel[(nb,)](topk_ids, hist, T, K=K, E=E, E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
-    _moe_align_kernel[(nb,)](topk_ids, hist, off, sorted_pairs, pair_pos, T, nb, K=K, E=E, E_PAD=e_pad,
-                             NB_PAD=max(2, next_pow2(nb)), CHUNK=chunk, SINGLE=nb == 1, num_warps=warps)
-    return off, sorted_pairs, pair_pos
 
 
 @triton.jit
@@ -654,10 +573,11 @@ def _fit_stages(num_stages: int, stage_bytes: int) -> int:
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
               shared_down: Tensor, alpha: float, limit: float, out: Tensor,
-              config: MoEConfig | None = None, scales: MoEScales | None = None) -> Tensor:
+              config: MoEConfig | None = None, scales: MoEScales | None = None,
+              aligned: MoEAlignment | None = None) -> Tensor:
     """Routed experts of this rank + the shared expert, five launches (four where one align
-    program holds every pair, as at decode; two more on the fp8 tensor-core path),
-    graph-capturable.
+    program holds every pair, as at decode, or where the router aligned: ``aligned``; two more
+    on the fp8 tensor-core path), graph-capturable.
 
     Args:
         x: ``[T, H]`` (bf16 on GPU; fp32 allowed, then the dots run in fp32 "ieee").
@@ -672,6 +592,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
         scales: MXFP8 weights: the four weights are fp8 e4m3 and these their E8M0 scales; the
             kernels read fp8 (half the bytes) and dequantise in registers, so the result equals
             the bf16 kernels on the dequantised weights.
+        aligned: the alignment of ``topk_ids`` already made (``route_triton(align_out=...)``,
+            in the router's last program); None: aligned here.
     Returns:
         ``out``.
     """
@@ -691,7 +613,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     if scales is not None and not (fp8_mma or gemv) and min(cfg.gu_block_k, cfg.down_block_k) < MX_BLOCK:
         raise ValueError(f"MoEConfig with MXFP8 weights needs gu_block_k and down_block_k >= {MX_BLOCK} (one scale per "
                          f"{MX_BLOCK} columns), got {cfg.gu_block_k} and {cfg.down_block_k}")
-    off, sorted_pairs, pair_pos = moe_align(topk_ids, E)
+    off, sorted_pairs, pair_pos = aligned if aligned is not None else moe_align(topk_ids, E)
     if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
@@ -771,9 +693,11 @@ def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_
 
 def fused_moe_torch(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor,
                     shared_down: Tensor, alpha: float, limit: float, out: Tensor,
-                    config: MoEConfig | None = None, scales: MoEScales | None = None) -> Tensor:
-    """Plain-torch twin of :func:`fused_moe` (same arguments; ``config`` is ignored; with
-    ``scales`` the fp8 weights are dequantised to x's dtype first, ``mxfp8.dequantize_mxfp8``).
+                    config: MoEConfig | None = None, scales: MoEScales | None = None,
+                    aligned: MoEAlignment | None = None) -> Tensor:
+    """Plain-torch twin of :func:`fused_moe` (same arguments; ``config`` and ``aligned`` are
+    ignored; with ``scales`` the fp8 weights are dequantised to x's dtype first,
+    ``mxfp8.dequantize_mxfp8``).
 
     Same rounding points as the kernels: fp32 gate/up products, the activation rounded to
     ``x.dtype``, fp32 down products, weights and sum, one cast into ``out``. Each local expert

@@ -33,13 +33,21 @@ ties follow ``torch.topk``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.arrival import arrival_counters, arrive
 from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms
 from models.minimax_m3.layers import route
+
+from .moe_align import MoEAlignment, align_chunk, align_pairs, aligns_in_one_program
+from .routing_sim import simulated_picks
+
+if TYPE_CHECKING:
+    from models.minimax_m3.routing import RoutingSimulation
 
 Tensor = torch.Tensor
 
@@ -232,16 +240,23 @@ def _router_logits_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _router_topk_kernel(
-    part_ptr, bias_ptr, nrt_ptr, local_ptr, wout_ptr, glob_ptr,
+    part_ptr, bias_ptr, nrt_ptr, local_ptr, wout_ptr, glob_ptr, x_ptr, stride_x, hidden, stride_pick,
+    count_ptr, off_ptr, sorted_ptr, pos_ptr,
     T, expert_offset, num_local, scale,
     E: tl.constexpr, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_NRT: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    SIMULATE: tl.constexpr = False, UNIFORM: tl.constexpr = False,
+    ALIGN: tl.constexpr = False, NL: tl.constexpr = 1, NL_PAD: tl.constexpr = 2, CHUNK: tl.constexpr = 16,
 ):
     """Token t: logits from the partials -> K (expert, weight) pairs, padded and remapped.
 
     One token per program keeps every reduction one-dimensional (a [tokens, experts] tile
     took several times the registers); a grid of T programs of a few KB each is cheap even
-    at T = 1054.
+    at T = 1054. ``SIMULATE`` (``routing_sim``; ``UNIFORM`` or balanced): a real token's
+    experts are the simulation's picks (from ``x``), its weights still the router's, slot by
+    slot. ``ALIGN``: the last program to
+    finish sorts the step's local pairs for the fused MoE (``moe_align.align_pairs`` over the
+    ``NL`` local experts, one chunk of ``CHUNK`` pairs), instead of an align launch.
     """
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
@@ -274,6 +289,9 @@ def _router_topk_kernel(
     else:
         n_real = T
     ok = (t < n_real) & (ids >= 0) & (ids < E)
+    if SIMULATE:
+        ids = simulated_picks(x_ptr, stride_x, hidden, t.to(tl.int64), E, stride_pick, K, K_PAD, E_PAD,
+                              UNIFORM).to(tl.int32)
     gid = tl.where(ok, ids, -1)
     loc = gid - expert_offset
     mine = ok & (loc >= 0) & (loc < num_local)
@@ -283,6 +301,10 @@ def _router_topk_kernel(
     tl.store(wout_ptr + out, tl.where(mine, w, 0.0), mask=k_ok)
     if HAS_GLOBAL:
         tl.store(glob_ptr + out, gid, mask=k_ok)
+    if ALIGN:
+        if arrive(count_ptr, T):  # every token's local ids are stored
+            align_pairs(local_ptr, local_ptr, off_ptr, sorted_ptr, pos_ptr, T, 1, 0, K, NL, NL_PAD, 2, CHUNK, True,
+                        True)
 
 
 def route_triton(
@@ -299,6 +321,8 @@ def route_triton(
     global_ids_out: Tensor | None = None,
     *,
     config: RouterConfig | None = None,
+    simulation: RoutingSimulation | None = None,
+    align_out: MoEAlignment | None = None,
 ) -> None:
     """Sigmoid routing with a selection-only correction bias, written into caller buffers.
 
@@ -312,24 +336,44 @@ def route_triton(
         weights_out: fp32 ``[T, K]``: routing weight, 0 where ``local_ids_out`` is -1.
         global_ids_out: optional int32 ``[T, K]``: global expert id, -1 on padded rows.
         config: tiles to use instead of :func:`router_config`'s (tests and benchmarks).
+        simulation: replace the router's experts of every real token by the simulation's picks
+            (``routing.RoutingSimulation``, in the top-k kernel: no launch of its own); the
+            weights stay the router's, slot by slot, and ``global_ids_out`` gets the picks.
+        align_out: buffers (``moe_align.alignment_buffers(T, top_k, num_local)``) for the fused
+            MoE's alignment of ``local_ids_out``, made by the top-k kernel's last program (one
+            launch fewer); only where one program holds every pair (``aligns_in_one_program``).
+
+    Raises:
+        ValueError: bad shapes or dtypes (named), or ``align_out`` where the pairs need more
+            than one align program.
     """
     _check_args(x, gate_weight, bias, top_k, num_real_tokens, expert_offset, num_local, local_ids_out, weights_out,
                 global_ids_out)
-    check_device("route_triton", x, gate_weight, bias, local_ids_out, weights_out)
+    check_device("route_triton", x, gate_weight, bias, local_ids_out, weights_out, *(align_out or ()))
     T, H = x.shape
     E = gate_weight.shape[0]
+    if align_out is not None:
+        _check_align_out(align_out, T, top_k, num_local)
     if T == 0:
         return
     cfg = config or router_config(T, E, H, num_sms(x.device), x.dtype)
     part = router_logit_partials(x, gate_weight, cfg)
+    stride_pick = 1
+    if simulation is not None:
+        simulation.check_experts(E)
+        stride_pick = simulation.stride(E)
     nrt = num_real_tokens if num_real_tokens is not None else local_ids_out  # any pointer: unused
     glob = global_ids_out if global_ids_out is not None else local_ids_out
+    al = align_out if align_out is not None else (local_ids_out,) * 3  # unread without ALIGN
+    counts = arrival_counters(x.device, 1) if align_out is not None else local_ids_out
     _router_topk_kernel[(T,)](
-        part, bias, nrt, local_ids_out, weights_out, glob,
+        part, bias, nrt, local_ids_out, weights_out, glob, x, x.stride(0), H, stride_pick, counts, *al,
         T, expert_offset, num_local, float(scale),
         E=E, K=top_k, E_PAD=max(2, next_pow2(E)), K_PAD=max(2, next_pow2(top_k)),
         SPLITS=cfg.splits, SPLITS_PAD=max(2, next_pow2(cfg.splits)), HAS_NRT=num_real_tokens is not None,
-        HAS_GLOBAL=global_ids_out is not None,
+        HAS_GLOBAL=global_ids_out is not None, SIMULATE=simulation is not None,
+        UNIFORM=simulation is not None and simulation.strategy == "uniform", ALIGN=align_out is not None, NL=max(1, num_local),
+        NL_PAD=max(2, next_pow2(num_local)), CHUNK=align_chunk(T * top_k, num_local),
         num_warps=cfg.topk_warps,
     )
 
@@ -361,6 +405,17 @@ def router_logit_partials(x: Tensor, gate_weight: Tensor, cfg: RouterConfig) -> 
         BF16_SPLIT=cfg.bf16_split, DOT_F32=interpreting(), num_warps=cfg.gemv_warps, num_stages=3,
     )
     return part
+
+
+def _check_align_out(align_out: MoEAlignment, T: int, top_k: int, num_local: int) -> None:
+    if not aligns_in_one_program(T, top_k, num_local):
+        raise ValueError(f"align_out: {T} tokens x top-{top_k} over {num_local} local experts need more than one align "
+                         "program; leave align_out None and let fused_moe align (moe_align)")
+    want = (num_local + 2, T * top_k + T, T * top_k + T)
+    for name, t, n in zip(MoEAlignment._fields, align_out, want):
+        if t.shape != (n,) or t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"align_out.{name} must be a contiguous int32 [{n}] tensor, got {t.dtype} "
+                             f"{tuple(t.shape)} (moe_align.alignment_buffers makes them)")
 
 
 def _check_config(cfg: RouterConfig, H: int) -> None:
