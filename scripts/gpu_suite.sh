@@ -124,8 +124,9 @@ for part in "${parts[@]}"; do
                   flag=""; [ "$q" = mxfp8 ] && flag="--quantization mxfp8"
                   $T python3 benchmarks/bench_steps.py --routing ${MXFP8_ROUTING:-uniform} $flag --label "$q" --decode ${MXFP8_DECODE:-1,8,32,64} --iters ${MXFP8_ITERS:-10} ${MXFP8_ARGS:-} --json "$OUT/bench_steps_$q.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 done ;;
-    mxserve)    # serving, bf16 then MXFP8, the same requests (c30 default workload, calibrated routing)
-                $T python3 examples/serve_sim.py --preset rank-of-8 --weights bf16,mxfp8 --modes ${SERVE_MODES:-full_and_piecewise} --json "$OUT/serve_sim_mxfp8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
+    mxserve)    # serving, bf16 then MXFP8, the same requests (c30 default workload, calibrated routing);
+                # MXSERVE_ARGS adds flags (e.g. --layers 30 where 60 bf16 layers do not fit)
+                $T python3 examples/serve_sim.py --preset rank-of-8 --weights bf16,mxfp8 --modes ${SERVE_MODES:-full_and_piecewise} ${MXSERVE_ARGS:-} --json "$OUT/serve_sim_mxfp8.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     mxacc)      $T python3 benchmarks/mxfp8_accuracy.py --layers ${MXACC_LAYERS:-20} --steps 200 --json "$OUT/mxfp8_accuracy.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     longserve)  # the long-context serving preset (c8, prompts 32K-128K; decode vs full_and_piecewise, bf16 vs fp8 KV)
                 $T python3 examples/serve_sim.py --preset rank-of-8 --workload long ${LONGSERVE_ARGS:-} --json "$OUT/serve_sim_long${LONGSERVE_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
