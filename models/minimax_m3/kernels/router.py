@@ -21,7 +21,10 @@ Kernels:
 - ``_router_topk_kernel``, grid (token): sums the partials in a fixed order (one reduction
   tree over the splits, the same on every run: deterministic), sigmoid, bias, top-k by ``K``
   rounds of max (ties go to the lower expert id), renormalisation, scale, padding and the
-  local remap.
+  local remap. For measurements it can replace the picks by the routing simulation's
+  (``routing_sim``), and at decode sizes its last program can align the pairs for the fused MoE
+  (``moe_align``): two launches a real step would otherwise add (H100, 30 layers: top-k,
+  simulation and align 6.3 -> 5.0 us per MoE layer at decode 1, 7.4 -> 6.0 at decode 32).
 
 Both launches are graph-safe: no host syncs, ``num_real_tokens`` is read on the device, and
 the grids and the scratch size depend only on ``T`` and the weight shape.
@@ -254,9 +257,9 @@ def _router_topk_kernel(
     took several times the registers); a grid of T programs of a few KB each is cheap even
     at T = 1054. ``SIMULATE`` (``routing_sim``; ``UNIFORM`` or balanced): a real token's
     experts are the simulation's picks (from ``x``), its weights still the router's, slot by
-    slot. ``ALIGN``: the last program to
-    finish sorts the step's local pairs for the fused MoE (``moe_align.align_pairs`` over the
-    ``NL`` local experts, one chunk of ``CHUNK`` pairs), instead of an align launch.
+    slot. ``ALIGN``: the last program to finish sorts the step's local pairs for the fused MoE
+    (``moe_align.align_pairs`` over the ``NL`` local experts, one chunk of ``CHUNK`` pairs),
+    instead of an align launch.
     """
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
@@ -372,8 +375,8 @@ def route_triton(
         E=E, K=top_k, E_PAD=max(2, next_pow2(E)), K_PAD=max(2, next_pow2(top_k)),
         SPLITS=cfg.splits, SPLITS_PAD=max(2, next_pow2(cfg.splits)), HAS_NRT=num_real_tokens is not None,
         HAS_GLOBAL=global_ids_out is not None, SIMULATE=simulation is not None,
-        UNIFORM=simulation is not None and simulation.strategy == "uniform", ALIGN=align_out is not None, NL=max(1, num_local),
-        NL_PAD=max(2, next_pow2(num_local)), CHUNK=align_chunk(T * top_k, num_local),
+        UNIFORM=simulation is not None and simulation.strategy == "uniform", ALIGN=align_out is not None,
+        NL=max(1, num_local), NL_PAD=max(2, next_pow2(num_local)), CHUNK=align_chunk(T * top_k, num_local),
         num_warps=cfg.topk_warps,
     )
 
