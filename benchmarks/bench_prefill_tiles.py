@@ -14,7 +14,10 @@ eager launches, so host launch gaps count) and the same ops replayed as one CUDA
   and their merge; ``nsplit=1``: one program per tile);
 - ``block-major``: ``sparse_blocks.sparse_attention_prefill_blocks`` (the queries that selected a
   key block in programs of up to four tiles), and on the first selection with fp32 partials,
-  with 1-8 tiles a program, and with the bucketing in programs of 64 tokens;
+  with 1-8 tiles a program, with the bucketing in programs of 64 tokens and with the split
+  merge loading 16 KB a program;
+- ``sparse splice``: the indexer and block-major attention together, as the Triton backend runs
+  them (the indexer's merge buckets the pairs) and with the bucketing launch of their own;
 - sweeps: other tile sizes (``bt=``) and the indexer's chunk and pipeline stages;
 - with ``--kernels``, the GPU time per kernel of the defaults (profiler); ``--ncu`` only runs
   the defaults, for Nsight Compute.
@@ -207,17 +210,35 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
         # the default (bf16 partial outputs for bf16 queries); fp32 partials (more traffic through
         # the merge, less rounding); 1-8 tiles a program (the default: 4, two stages; each block's
         # K and V loaded once for them)
-        variants = [("", {}), (" fp32 partials", {"PARTIALS": {}})] + [
-            (f" {n} tiles a program, {stages} stage{'s' * (stages > 1)}",
+        variants = [("", sparse_blocks, {}), (" fp32 partials", sparse_blocks, {"PARTIALS": {}})] + [
+            (f" {n} tiles a program, {stages} stage{'s' * (stages > 1)}", sparse_blocks,
              {"TILES_PER_PROGRAM": n, "ATTN_CONFIG": {"num_warps": 4, "num_stages": stages}})
             for n, stages in ((1, 1), (2, 1), (4, 1), (8, 2))]
-        variants.append((" 64 tokens a bucketing program", {"BUCKET_TOKENS": 64}))
-        for label, settings in variants:
+        variants.append((" 64 tokens a bucketing program", sparse_blocks, {"BUCKET_TOKENS": 64}))
+        # the split merge loading 16 KB a program (half the splits of a row; the default before)
+        variants.append((" merge 16 KB a program", sparse, {"MERGE_BYTES": 16384}))
+        for label, module, settings in variants:
             if label and (over_budget() or tag != "indexer"):
                 continue
-            with module_settings(sparse_blocks, settings):
+            with module_settings(module, settings):
                 att_row("block-major" + label, lambda sel=sel, plan=block_plan: blocks(
                     st.q, st.k, st.v, sel, meta, st.out, st.scale, plan), 4)  # zeroed counts, buckets, blocks, merge
+        if tag == "indexer":
+            # the whole sparse splice as the backend runs it (the indexer's merge buckets the pairs)
+            # beside the indexer, then block-major attention with its own bucketing launch
+            ref_sel = st.sel.clone()
+            for label, fused in (("indexer, then block-major", False), ("indexer buckets (the backend)", True)):
+                def splice(fused=fused, plan=block_plan) -> None:
+                    space = sparse_blocks.bucket_space(st.q, d.num_kv_heads, d.topk, plan) if fused else None
+                    b = indexer.index_topk_prefill_tiled(st.iq, st.ik, meta, d.topk, st.sel, t_idx, buckets=space)
+                    blocks(st.q, st.k, st.v, st.sel, meta, st.out, st.scale, plan, b)
+
+                st.out.fill_(float("nan"))
+                splice()
+                err = ((st.out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+                same = bool(torch.equal(st.sel, ref_sel))
+                rows.append(Row("sparse splice", label, timer(splice), timer.graph(splice), 5 if not fused else 4,
+                                f"relerr {err:.1e}, selections {'equal' if same else 'DIFFER'}"))
         for bt in (bt_att, bt_att // 2, bt_att * 2):
             if bt < 2 or (bt != bt_att and over_budget()):
                 continue
@@ -235,8 +256,9 @@ def run(a: argparse.Namespace, dims: Dims, device: str) -> tuple[list[Row], dict
 
 
 def default_ops(st: Step, d: Dims, device: str) -> dict[str, Callable[[], None]]:
-    """The step's default sparse ops as the Triton backend runs them: the tiled indexer (which
-    also fills ``st.sel``), block-major attention on its selection and on ``shared8``."""
+    """The step's default sparse ops: the tiled indexer (which also fills ``st.sel``),
+    block-major attention on its selection and on ``shared8``, and the whole splice as the
+    Triton backend runs it (the indexer's merge bucketing the pairs)."""
     from attention.kernels import indexer, sparse_blocks
     from attention.kernels.tiles import TilePlanner
 
@@ -255,8 +277,13 @@ def default_ops(st: Step, d: Dims, device: str) -> dict[str, Callable[[], None]]
         return lambda: sparse_blocks.sparse_attention_prefill_blocks(st.q, st.k, st.v, sel, st.meta, st.out,
                                                                       st.scale, plan)
 
+    def splice() -> None:
+        space = sparse_blocks.bucket_space(st.q, d.num_kv_heads, d.topk, plan)
+        b = indexer.index_topk_prefill_tiled(st.iq, st.ik, st.meta, d.topk, st.sel, t_idx, buckets=space)
+        sparse_blocks.sparse_attention_prefill_blocks(st.q, st.k, st.v, st.sel, st.meta, st.out, st.scale, plan, b)
+
     return {"indexer": index, "block-major indexer": attention(st.sel.clone()),
-            "block-major shared8": attention(shared)}
+            "block-major shared8": attention(shared), "splice (indexer buckets)": splice}
 
 
 def main(argv: list[str] | None = None) -> int:

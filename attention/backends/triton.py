@@ -9,7 +9,8 @@
   prefill chunk's tokens share every index-K tile they load: 158 -> 22 us per layer for 30
   decodes + a 1024-token chunk at rank-of-8 on an H200). The attention runs block-major by
   default (``prefill_attention="blocks"``, :mod:`attention.kernels.sparse_blocks`): one program
-  per tile of the queries that selected a key block, each block's K and V read once a tile.
+  per tile of the queries that selected a key block, each block's K and V read once a tile; the
+  indexer's merge buckets the (token, block) pairs for it as it writes the selections.
   On the H200 (3 decodes + a 1024-token chunk; 30 decodes at 3K) it beat one token per
   program (``"per_token"``) at every context and selection measured: 141 vs 164 us at 64K,
   157 vs 182 at 128K, 130 vs 156 at 3K on the random model's selections. Token tiles over the
@@ -30,7 +31,7 @@ from attention.dims import AttentionDims
 from attention.kernels import indexer, sparse
 from attention.kernels.indexer import index_topk_decode, index_topk_prefill_tiled
 from attention.kernels.sparse import dense_attention_triton, sparse_attention_decode, sparse_attention_prefill
-from attention.kernels.sparse_blocks import BlockPlan, BlockPlanner, sparse_attention_prefill_blocks
+from attention.kernels.sparse_blocks import BlockPlan, BlockPlanner, bucket_space, sparse_attention_prefill_blocks
 from attention.kernels.tiles import StepTiles, TilePlanner
 from graphcap import Padding, Step
 from kvcache.paged import PagedKVCache
@@ -103,10 +104,13 @@ class TritonAttention(AttentionBackend):
             if self._tiles is None:
                 raise RuntimeError("TritonAttention ran a prefill step it did not plan; plan every step first")
             topk = self.topk_buf[:, : meta.num_tokens]
+            if self._block_plan is not None:  # the indexer's merge buckets the pairs (one launch fewer)
+                space = bucket_space(q, d.num_kv_heads, d.topk, self._block_plan)
+                buckets = index_topk_prefill_tiled(iq, ik, meta, d.topk, topk, self._tiles, buckets=space)
+                sparse_attention_prefill_blocks(q, kc, vc, topk, meta, out, d.scale, self._block_plan, buckets)
+                return
             index_topk_prefill_tiled(iq, ik, meta, d.topk, topk, self._tiles)
-            if self._block_plan is not None:
-                sparse_attention_prefill_blocks(q, kc, vc, topk, meta, out, d.scale, self._block_plan)
-            elif self._attn_tiles is None:
+            if self._attn_tiles is None:
                 sparse_attention_prefill(q, kc, vc, topk, meta, out, d.scale, block_t=1)
             else:  # every tile in one launch (one-token tiles too): faster than two on the H200
                 sparse_attention_prefill(q, kc, vc, topk, meta, out, d.scale, block_t=self._attn_block_t,

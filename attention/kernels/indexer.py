@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.arrival import arrival_counters, arrive
+from attention.kernels.sparse_blocks import BlockBuckets, BucketSpace, _bucket_rows
 from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import (
     check_device,
@@ -348,18 +349,30 @@ def _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot, local,
     res = tl.where((kk < n_other) & (best > -9223372036854775807), 0x7FFFFFFF - best.to(tl.int32), -1)
     res = tl.where(kk == n_other, local, res)
     tl.store(out_ptr + h * stride_out_h + t.to(tl.int64) * stride_out_t + kk, res, mask=kk < TOPK)
+    return res
 
 
-@triton.jit(do_not_specialize=["NCAND"])
+@triton.jit(do_not_specialize=["NCAND", "NB", "NCAP"])
 def _merge_kernel(
     part_ptr, pos_ptr, slot_ptr, out_ptr, stride_out_h, stride_out_t, page_size, NCAND,
+    token_seq_ptr, req_ptr, stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP,
     HIDX: tl.constexpr, BLOCK_C: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    CHUNK: tl.constexpr, KP: tl.constexpr,
+    CHUNK: tl.constexpr, KP: tl.constexpr, BUCKET: tl.constexpr = False, G: tl.constexpr = 1,
+    PAIRS: tl.constexpr = 1,
 ):
-    """Program ``(t, h)``: :func:`_merge_row` of row ``t``, head ``h``."""
+    """Program ``(t, h)``: :func:`_merge_row` of row ``t``, head ``h``; with ``BUCKET`` the
+    row's pairs then go into block-major attention's buckets (``sparse_blocks._bucket_rows``,
+    head ``h`` = kv group; the arguments from ``token_seq_ptr`` on are ``BucketSpace.kernel_args``),
+    which saves that attention its bucketing launch."""
     t = tl.program_id(0)
-    _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, tl.program_id(1), tl.load(slot_ptr + t),
-               tl.load(pos_ptr + t).to(tl.int32) // page_size, NCAND, HIDX, BLOCK_C, TOPK, TOPK_PAD, CHUNK, KP)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    res = _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot,
+                     tl.load(pos_ptr + t).to(tl.int32) // page_size, NCAND, HIDX, BLOCK_C, TOPK, TOPK_PAD, CHUNK, KP)
+    if BUCKET:
+        one = tl.zeros([1], tl.int32)
+        _bucket_rows(res[None, :], t + one, (slot + one) >= 0, tl.arange(0, TOPK_PAD), h, token_seq_ptr, req_ptr,
+                     stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP, HIDX, G, TOPK, PAIRS)
 
 
 def _check(iq: Tensor, index_k_l: Tensor, out: Tensor, topk: int, page_size: int, T: int) -> None:
@@ -409,7 +422,7 @@ TILE_STAGES = 3
 
 def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor, topk: int, T: int,
             num_blocks: int, block_t: int, chunk: int, tiles: Tensor | None = None, keep_all: bool = False,
-            merge_last: bool = True) -> None:
+            merge_last: bool = True, buckets: BucketSpace | None = None) -> None:
     """Run both kernels for rows ``< T`` with ``num_blocks`` key blocks of capacity per row.
 
     The partial kernel runs the fixed grid of ``cdiv(T, block_t)`` token tiles (one token per
@@ -419,6 +432,7 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
     must cover every row ``< T``: the merge reads every row's candidates.
     ``keep_all``: the partial kernel keeps every block of its chunk as a candidate
     (``KP = chunk``, no partial selection: small chunks at long context).
+    ``buckets``: the merge launch also buckets each row's pairs for block-major attention.
     """
     check_device("index top-k", iq, index_k_l, out, *([] if tiles is None else [tiles]))
     if chunk < 1 or chunk & (chunk - 1) or block_t < 1:
@@ -454,9 +468,15 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
             BLOCK_M=block_m, TILED=tiles is not None, FULL_PAGE=meta.page_size == pad_dim(meta.page_size),
             HP=row_heads(H, fp8_dot), **common, num_warps=4 if block_m <= 64 else 8, num_stages=TILE_STAGES,
         )
+    assert buckets is None or not merge_last, "bucketing runs in the merge launch"
     if not merge_last:
+        if buckets is None:  # unread: BUCKET is off
+            bucket_args, bucket = (part, part, 0, part, part, part, part, 0, 0), {}
+        else:
+            bucket_args = buckets.kernel_args(meta)
+            bucket = dict(BUCKET=True, G=buckets.group, PAIRS=buckets.pairs_per_item)
         _merge_kernel[(T, H)](part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size,
-                              nc * kp, HIDX=H, CHUNK=chunk, KP=kp, **merge, num_warps=1)
+                              nc * kp, *bucket_args, HIDX=H, CHUNK=chunk, KP=kp, **merge, **bucket, num_warps=1)
 
 
 def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device, key_bytes: int = 2) -> int:
@@ -555,7 +575,8 @@ TILED_CHUNK = 8
 
 
 def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, topk: int, out: Tensor,
-                             tiles: StepTiles, chunk: int | None = None) -> None:
+                             tiles: StepTiles, chunk: int | None = None,
+                             buckets: BucketSpace | None = None) -> BlockBuckets | None:
     """:func:`index_topk_prefill` over a step's request-aligned tiles (same outputs).
 
     The multi-token requests' tiles run ``tiles.block_t`` tokens per program (plan them with
@@ -570,9 +591,18 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
         iq, index_k_l, meta, topk, out: as :func:`index_topk_prefill`.
         tiles: this step's :class:`StepTiles` (planned from ``meta.qo_indptr_host``).
         chunk: key blocks per program (power of two); default :data:`TILED_CHUNK`.
+        buckets: block-major attention's scratch for this step
+            (``sparse_blocks.bucket_space``): the merge launch also buckets each row's pairs
+            there, and the result goes to ``sparse_attention_prefill_blocks(buckets=...)``, which
+            then skips its bucketing launch (H100, a 1024-token chunk at 64K: about 5 us of a
+            launch of its own).
+
+    Returns:
+        The filled buckets (``out`` is their selection) where ``buckets`` was given, else None.
 
     Raises:
-        ValueError: as :func:`index_topk_prefill`, or ``tiles`` planned for another token count.
+        ValueError: as :func:`index_topk_prefill`, ``tiles`` planned for another token count, or
+            ``buckets`` planned for another step or another number of kv heads.
     """
     T = meta.num_tokens
     _check(iq, index_k_l, out, topk, meta.page_size, T)
@@ -583,8 +613,14 @@ def index_topk_prefill_tiled(iq: Tensor, index_k_l: Tensor, meta: AttentionMetad
                          f"{getattr(tiles, 'num_tokens', type(tiles))} tokens")
     bt = tiles.block_t
     check_tile_rows(tiles.rows, bt, T)
+    if buckets is not None and (buckets.plan.num_tokens != T or buckets.num_kv_heads != iq.shape[1]
+                                or buckets.topk != topk):
+        raise ValueError(f"buckets were made for {buckets.plan.num_tokens} tokens, {buckets.num_kv_heads} kv heads "
+                         f"and top-{buckets.topk}; this step has {T} tokens, {iq.shape[1]} index heads and top-{topk}")
     num_blocks = triton.cdiv(meta.max_kv_len, meta.page_size)
-    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, bt, chunk or TILED_CHUNK, tiles.rows, keep_all=True)
+    _launch(iq, index_k_l, meta, out, topk, T, num_blocks, bt, chunk or TILED_CHUNK, tiles.rows, keep_all=True,
+            buckets=buckets)
+    return None if buckets is None else BlockBuckets(buckets, out)
 
 
 __all__ = ["TILED_CHUNK", "decode_chunk", "default_block_t", "index_topk_decode", "index_topk_prefill",

@@ -271,15 +271,18 @@ def _merge_kernel(po_ptr, plse_ptr, slot_ptr, out_ptr, stride_o_t, stride_o_h,
                  tl.num_programs(1) * G, G, D, G_PAD, BLOCK_D, NSPLIT, S_PAD, S_CHUNK)
 
 
-# Partial outputs one merge program holds at once (``[G_PAD, S_CHUNK, BLOCK_D]``): 64 values a
-# thread of its 4 warps.
-MERGE_VALUES = 8192
+# Bytes of partial outputs one merge program loads at once (``[G_PAD, S_CHUNK, BLOCK_D]``): 64
+# fp32 values a thread of its 4 warps; bf16 partials (block-major prefill: 8 heads x 16 splits x
+# 128) take twice the values in the same bytes, every split of a row in one load.
+MERGE_BYTES = 32768
 
 
-def _merge_tiles(G: int, nsplit: int, block_d: int) -> dict[str, int]:
-    """The merge's padded head and split counts and its split chunk (:func:`_merge_group`)."""
+def _merge_tiles(G: int, nsplit: int, block_d: int, elem_bytes: int = 4) -> dict[str, int]:
+    """The merge's padded head and split counts and its split chunk (:func:`_merge_group`) for
+    partials of ``elem_bytes`` bytes."""
     g_pad, s_pad = max(2, next_pow2(G)), max(2, next_pow2(nsplit))
-    return dict(G_PAD=g_pad, S_PAD=s_pad, S_CHUNK=max(1, min(s_pad, MERGE_VALUES // (g_pad * block_d))))
+    values = MERGE_BYTES // elem_bytes
+    return dict(G_PAD=g_pad, S_PAD=s_pad, S_CHUNK=max(1, min(s_pad, values // (g_pad * block_d))))
 
 
 def merge_splits(po: Tensor, plse: Tensor, slot_mapping: Tensor, out: Tensor, T: int, Hkv: int) -> None:
@@ -295,7 +298,8 @@ def merge_splits(po: Tensor, plse: Tensor, slot_mapping: Tensor, out: Tensor, T:
     Hq, nsplit, block_d = po.shape[1], po.shape[2], po.shape[3]
     G = Hq // Hkv
     _merge_kernel[(T, Hkv)](po, plse, slot_mapping, out, out.stride(0), out.stride(1), G=G, D=out.shape[2],
-                            BLOCK_D=block_d, NSPLIT=nsplit, **_merge_tiles(G, nsplit, block_d), num_warps=4)
+                            BLOCK_D=block_d, NSPLIT=nsplit, **_merge_tiles(G, nsplit, block_d, po.element_size()),
+                            num_warps=4)
 
 
 def _check(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, out: Tensor, page_size: int, T: int) -> None:

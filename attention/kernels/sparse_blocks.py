@@ -11,13 +11,17 @@ loads its block's K and V once and runs up to ``TILES_PER_PROGRAM`` tiles of its
 (``BLOCK_M`` rows each: pairs x the group's q heads) against them, whatever the selections look
 like.
 
-Three launches per layer (plus the zeroed bucket counters):
-1. ``_bucket_pairs_kernel`` over tokens: each valid pair ``(t, j)`` of kv group ``g`` takes a
+Three launches per layer (plus the zeroed bucket counters, :class:`BucketSpace`):
+1. Bucketing (:func:`_bucket_rows`): each valid pair ``(t, j)`` of kv group ``g`` takes a
    place in the bucket of ``(g, request, block)`` with an atomic counter and writes its code
    ``t * TOPK + j`` there (the order inside a bucket varies from run to run; every pair's
    result does not depend on it), and every ``PAIRS``-th pair of a bucket opens a work item;
    slots with no block, or a block past the request's keys, get a ``-inf`` log-sum-exp (so a bad
-   selection can never reach another request's bucket, hence its cache pages).
+   selection can never reach another request's bucket, hence its cache pages). Run by the
+   indexer's merge as it writes each row's selection (the Triton backend's path:
+   ``index_topk_prefill_tiled(buckets=...)``), or by ``_bucket_pairs_kernel`` over tokens
+   (:func:`bucket_pairs`). H100, a 1024-token chunk at 64K: the merge's bucketing costs ~3.5
+   us against ~5.8 for the launch of its own.
 2. ``_block_attn_kernel`` over the work items opened (up to ``TILES_PER_PROGRAM`` tiles each):
    softmax over the block's visible keys for each pair's q heads (causal mask only bites in a
    token's own local block), the normalised partial output and its log2-sum-exp into the
@@ -71,26 +75,21 @@ BUCKET_TOKENS = 8
 ROWS = 4
 
 
-@triton.jit(do_not_specialize=["T", "NB", "NCAP"])
-def _bucket_pairs_kernel(
-    sel_ptr, stride_sel_h, stride_sel_t, token_seq_ptr, slot_ptr, req_ptr, stride_req,
-    counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, T, NB, NCAP,
-    G: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr,
+@triton.jit
+def _bucket_rows(
+    sel, t, t_ok, kk, g, token_seq_ptr, req_ptr, stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP,
+    HKV, G: tl.constexpr, TOPK: tl.constexpr, PAIRS: tl.constexpr,
 ):
-    """Program ``(token block, g)``: bucket the pairs of ``BLOCK_T`` tokens (see the module
-    docstring). ``req`` rows: block base, place base and query tokens of each request. The pair
-    that takes place ``k * PAIRS`` of a bucket opens the bucket's work item ``k`` (``PAIRS``: the
-    pairs one block program runs): it draws an item id from the counter after the buckets'
-    (``counts[Hkv * NB]``) and writes ``(bucket, k)`` there."""
-    g = tl.program_id(1)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    kk = tl.arange(0, K_PAD)
-    t_ok = t < T
-    t_ok = t_ok & (tl.load(slot_ptr + t, mask=t_ok, other=-1) >= 0)
+    """Bucket kv group ``g``'s pairs of token rows ``t`` (``[R]``, real where ``t_ok``) whose
+    selections are ``sel`` (``int32 [R, K_PAD]``, ``kk`` its column ids; see the module
+    docstring). ``req`` rows: block base, place base, query tokens and key blocks of each
+    request. The pair that takes place ``k * PAIRS`` of a bucket opens the bucket's work item
+    ``k`` (``PAIRS``: the pairs one block program runs): it draws an item id from the counter
+    after the buckets' (``counts[HKV * NB]``) and writes ``(bucket, k)`` there. Shared by the
+    bucketing launch and the indexer's merge (``index_topk_prefill_tiled(buckets=...)``)."""
     s = tl.load(token_seq_ptr + t, mask=t_ok, other=0)
     t64 = t.to(tl.int64)
     in_k = t_ok[:, None] & (kk[None, :] < TOPK)
-    sel = tl.load(sel_ptr + g * stride_sel_h + t64[:, None] * stride_sel_t + kk[None, :], mask=in_k, other=-1)
     ok = in_k & (sel >= 0)
     block_base = tl.load(req_ptr + s, mask=t_ok, other=0)
     place_base = tl.load(req_ptr + stride_req + s, mask=t_ok, other=0).to(tl.int64)
@@ -104,14 +103,33 @@ def _bucket_pairs_kernel(
     ok = ok & (at < q_len[:, None])
     dest = g.to(tl.int64) * NCAP + place_base[:, None] + sel.to(tl.int64) * q_len[:, None] + at
     tl.store(pairs_ptr + dest, t[:, None] * TOPK + kk[None, :], mask=ok)
-    hq = tl.num_programs(1) * G
+    hq = HKV * G
     opens = ok & (at % PAIRS == 0)
-    tile = tl.atomic_add(counts_ptr + tl.num_programs(1) * NB + tl.zeros_like(at), 1, mask=opens)
+    tile = tl.atomic_add(counts_ptr + HKV * NB + tl.zeros_like(at), 1, mask=opens)
     tl.store(tiles_ptr + 2 * tile, bucket, mask=opens)
     tl.store(tiles_ptr + 2 * tile + 1, at // PAIRS, mask=opens)
     for h in tl.static_range(G):  # a slot with no block: nothing to merge
         prow = (t64 * hq + g * G + h) * TOPK
         tl.store(plse_ptr + prow[:, None] + kk[None, :], float("-inf"), mask=in_k & ~ok)
+
+
+@triton.jit(do_not_specialize=["T", "NB", "NCAP"])
+def _bucket_pairs_kernel(
+    sel_ptr, stride_sel_h, stride_sel_t, token_seq_ptr, slot_ptr, req_ptr, stride_req,
+    counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP, T,
+    G: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr,
+):
+    """Program ``(token block, g)``: :func:`_bucket_rows` of ``BLOCK_T`` tokens' selections."""
+    g = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, K_PAD)
+    t_ok = t < T
+    t_ok = t_ok & (tl.load(slot_ptr + t, mask=t_ok, other=-1) >= 0)
+    in_k = t_ok[:, None] & (kk[None, :] < TOPK)
+    sel = tl.load(sel_ptr + g * stride_sel_h + t.to(tl.int64)[:, None] * stride_sel_t + kk[None, :], mask=in_k,
+                  other=-1)
+    _bucket_rows(sel, t, t_ok, kk, g, token_seq_ptr, req_ptr, stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr,
+                 NB, NCAP, tl.num_programs(1), G, TOPK, PAIRS)
 
 
 @triton.jit
@@ -279,8 +297,100 @@ class BlockPlanner:
                          num_buckets=nb, num_places=ncap, num_tokens=meta.num_tokens)
 
 
+@dataclass(frozen=True)
+class BucketSpace:
+    """One layer's scratch for block-major attention, its counters zeroed: where a step's
+    (token, slot) pairs are bucketed, by the bucketing launch (:func:`bucket_pairs`) or by the
+    indexer's merge (``indexer.index_topk_prefill_tiled(buckets=...)``, one launch fewer).
+
+    Attributes:
+        plan: the step's :class:`BlockPlan`.
+        counts: ``int32 [Hkv * NB + 1]`` pairs per bucket, then the work items opened.
+        pairs: ``int32 [Hkv * NCAP]`` pair codes ``t * topk + j`` by bucket place.
+        tiles: ``int32 [2 * max_tiles]`` the work items opened, ``(g * NB + bucket, k)``.
+        po: ``[T, Hq, topk, BLOCK_D]`` partial outputs (:data:`PARTIALS`); plse: ``fp32
+            [T, Hq, topk]`` their log2-sum-exps.
+        num_kv_heads, group: kv heads, q heads per kv head; topk: selection width;
+            pairs_per_item: pairs of one work item.
+    """
+
+    plan: BlockPlan
+    counts: Tensor
+    pairs: Tensor
+    tiles: Tensor
+    po: Tensor
+    plse: Tensor
+    num_kv_heads: int
+    group: int
+    topk: int
+    pairs_per_item: int
+
+    def kernel_args(self, meta: AttentionMetadata) -> tuple:
+        """The arguments :func:`_bucket_rows` takes after the selections, from ``token_seq``
+        to ``NCAP``, in order."""
+        p = self.plan
+        return (meta.buffers.token_seq, p.req, p.req.stride(0), self.counts, self.pairs, self.plse, self.tiles,
+                p.num_buckets, p.num_places)
+
+
+@dataclass(frozen=True)
+class BlockBuckets:
+    """A :class:`BucketSpace` after the pairs of ``selection`` were bucketed into it (made by
+    :func:`bucket_pairs` or the indexer's merge, never by hand)."""
+
+    space: BucketSpace
+    selection: Tensor
+
+
+def bucket_space(q: Tensor, num_kv_heads: int, topk: int, plan: BlockPlan) -> BucketSpace:
+    """Scratch for ``plan``'s step (zeroed counters: one fill launch).
+
+    Args:
+        q: ``[T', Hq, D]`` the step's queries (heads, head size and dtype of the partials).
+        num_kv_heads, topk: kv heads of the cache, selections per (group, token).
+        plan: this step's :class:`BlockPlan`.
+
+    Raises:
+        ValueError: more q heads a kv head than one tile holds.
+    """
+    T, Hq, D = plan.num_tokens, q.shape[1], q.shape[2]
+    G = Hq // num_kv_heads
+    if G > BLOCK_M:
+        raise ValueError(f"block-major attention holds at most {BLOCK_M} q heads per kv head, got {G}")
+    nbt = num_kv_heads * plan.num_buckets
+    pairs_per_item = BLOCK_M // G * TILES_PER_PROGRAM
+    # work items opened, ceil(count / pairs_per_item) per bucket: at most one per pair, and at
+    # most one per pairs_per_item pairs plus one per bucket
+    max_pairs = num_kv_heads * T * topk
+    max_tiles = max(1, min(max_pairs, max_pairs // pairs_per_item + nbt))
+    dev = q.device
+    return BucketSpace(
+        plan=plan, counts=torch.zeros(nbt + 1, dtype=torch.int32, device=dev),
+        pairs=torch.empty(num_kv_heads * plan.num_places, dtype=torch.int32, device=dev),
+        tiles=torch.empty(2 * max_tiles, dtype=torch.int32, device=dev),
+        po=torch.empty((T, Hq, topk, pad_dim(D)), dtype=PARTIALS.get(q.dtype, torch.float32), device=dev),
+        plse=torch.empty((T, Hq, topk), dtype=torch.float32, device=dev), num_kv_heads=num_kv_heads, group=G, topk=topk,
+        pairs_per_item=pairs_per_item)
+
+
+def bucket_pairs(space: BucketSpace, topk_idx: Tensor, meta: AttentionMetadata) -> BlockBuckets:
+    """Bucket the step's (token, slot) pairs of ``topk_idx`` (``int32 [Hkv, >= T, topk]``)
+    into ``space``: one launch."""
+    T, Hkv = space.plan.num_tokens, topk_idx.shape[0]
+    if Hkv != space.num_kv_heads or topk_idx.shape[2] != space.topk:
+        raise ValueError(f"topk_idx {tuple(topk_idx.shape)} does not fit the space ({space.num_kv_heads} kv heads, "
+                         f"top-{space.topk})")
+    if T > 0:
+        _bucket_pairs_kernel[(triton.cdiv(T, BUCKET_TOKENS), Hkv)](
+            topk_idx, topk_idx.stride(0), topk_idx.stride(1), meta.buffers.token_seq, meta.buffers.slot_mapping,
+            *space.kernel_args(meta)[1:], T, G=space.group, TOPK=space.topk, K_PAD=max(2, next_pow2(space.topk)),
+            BLOCK_T=BUCKET_TOKENS, PAIRS=space.pairs_per_item, num_warps=4)
+    return BlockBuckets(space, topk_idx)
+
+
 def sparse_attention_prefill_blocks(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, topk_idx: Tensor,
-                                    meta: AttentionMetadata, out: Tensor, scale: float, plan: BlockPlan) -> None:
+                                    meta: AttentionMetadata, out: Tensor, scale: float, plan: BlockPlan,
+                                    buckets: BlockBuckets | None = None) -> None:
     """Block-sparse GQA for the step's real tokens, block-major (the module docstring): the
     same outputs as ``sparse.sparse_attention_prefill`` (rows of padded tokens unwritten).
 
@@ -290,9 +400,12 @@ def sparse_attention_prefill_blocks(q: Tensor, k_cache_l: Tensor, v_cache_l: Ten
         topk_idx: ``int32 [Hkv, >= T, topk]`` selected logical blocks, distinct per row, -1 pads.
         meta: the step's metadata; out: ``[>= T, Hq, D]``; scale: softmax scale.
         plan: this step's :class:`BlockPlan` (``BlockPlanner.plan(meta)``).
+        buckets: ``topk_idx``'s pairs already bucketed (the indexer's merge did it:
+            ``index_topk_prefill_tiled(buckets=bucket_space(...))``); ``None``: bucket them here.
 
     Raises:
-        ValueError: shapes or dtypes, or ``plan`` made for another step.
+        ValueError: shapes or dtypes, ``plan`` made for another step, or ``buckets`` of
+            another plan or selection.
     """
     T = meta.num_tokens
     _check(q, k_cache_l, v_cache_l, out, meta.page_size, T)
@@ -302,41 +415,30 @@ def sparse_attention_prefill_blocks(q: Tensor, k_cache_l: Tensor, v_cache_l: Ten
         raise ValueError(f"plan must be the BlockPlan of this step ({T} tokens), got "
                          f"{getattr(plan, 'num_tokens', type(plan))} tokens")
     check_device("sparse attention", q, k_cache_l, out, topk_idx, plan.req)
-    G, topk = Hq // Hkv, topk_idx.shape[2]
-    if G > BLOCK_M:
-        raise ValueError(f"block-major attention holds at most {BLOCK_M} q heads per kv head, got {G}")
     if T == 0 or plan.num_buckets == 0:
         return
-    buf, block_d = meta.buffers, pad_dim(D)
-    nbt = Hkv * plan.num_buckets
-    # per bucket its pair count, then the work-item counter (``tiles`` holds the items opened)
-    counts = torch.zeros(nbt + 1, dtype=torch.int32, device=q.device)
-    pairs = torch.empty(Hkv * plan.num_places, dtype=torch.int32, device=q.device)
-    pairs_per_item = BLOCK_M // G * TILES_PER_PROGRAM
-    # work items opened, ceil(count / pairs_per_item) per bucket: at most one per pair, and at
-    # most one per pairs_per_item pairs plus one per bucket
-    max_pairs = Hkv * T * topk
-    max_tiles = min(max_pairs, max_pairs // pairs_per_item + nbt)
-    tiles = torch.empty(2 * max_tiles, dtype=torch.int32, device=q.device)
-    po = torch.empty((T, Hq, topk, block_d), dtype=PARTIALS.get(q.dtype, torch.float32), device=q.device)
-    plse = torch.empty((T, Hq, topk), dtype=torch.float32, device=q.device)
-    block_t = BUCKET_TOKENS
-    _bucket_pairs_kernel[(triton.cdiv(T, block_t), Hkv)](
-        topk_idx, topk_idx.stride(0), topk_idx.stride(1), buf.token_seq, buf.slot_mapping, plan.req,
-        plan.req.stride(0), counts, pairs, plse, tiles, T, plan.num_buckets, plan.num_places,
-        G=G, TOPK=topk, K_PAD=max(2, next_pow2(topk)), BLOCK_T=block_t, PAIRS=pairs_per_item, num_warps=4,
-    )
-    _block_attn_kernel[(max_tiles,)](
+    if buckets is None:
+        buckets = bucket_pairs(bucket_space(q, Hkv, topk_idx.shape[2], plan), topk_idx, meta)
+    space = buckets.space
+    if (space.plan is not plan or buckets.selection.data_ptr() != topk_idx.data_ptr() or space.po.shape[1] != Hq
+            or space.num_kv_heads != Hkv):
+        raise ValueError("buckets must hold this step's pairs of topk_idx (bucketed with this plan, for these "
+                         "q heads); pass buckets=None to bucket them here")
+    G, topk = space.group, space.topk
+    buf = meta.buffers
+    _block_attn_kernel[(space.tiles.shape[0] // 2,)](
         q, q.stride(0), q.stride(1),
         k_cache_l, v_cache_l, k_cache_l.stride(0), k_cache_l.stride(1), k_cache_l.stride(2),
         v_cache_l.stride(0), v_cache_l.stride(1), v_cache_l.stride(2),
         meta.block_tables, meta.block_tables.stride(0), buf.table_rows, buf.positions, plan.req, plan.req.stride(0),
-        plan.bucket_req, counts, pairs, tiles, po, plse, Hkv, plan.num_buckets, plan.num_places, meta.page_size,
-        scale * _LOG2E, G=G, D=D, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=pad_dim(meta.page_size), BLOCK_D=block_d,
-        TILES=TILES_PER_PROGRAM, DOT_F32=interpreting() or q.dtype == torch.float32, **ATTN_CONFIG,
+        plan.bucket_req, space.counts, space.pairs, space.tiles, space.po, space.plse, Hkv, plan.num_buckets,
+        plan.num_places, meta.page_size, scale * _LOG2E, G=G, D=D, TOPK=topk, BLOCK_M=BLOCK_M,
+        BLOCK_N=pad_dim(meta.page_size), BLOCK_D=space.po.shape[3], TILES=TILES_PER_PROGRAM,
+        DOT_F32=interpreting() or q.dtype == torch.float32, **ATTN_CONFIG,
     )
-    merge_splits(po, plse, buf.slot_mapping, out, T, Hkv)
+    merge_splits(space.po, space.plse, buf.slot_mapping, out, T, Hkv)
 
 
-__all__ = ["ATTN_CONFIG", "BLOCK_M", "BUCKET_TOKENS", "PARTIALS", "TILES_PER_PROGRAM", "BlockPlan", "BlockPlanner",
-           "plan_buckets", "sparse_attention_prefill_blocks"]
+__all__ = ["ATTN_CONFIG", "BLOCK_M", "BUCKET_TOKENS", "PARTIALS", "TILES_PER_PROGRAM", "BlockBuckets", "BlockPlan",
+           "BlockPlanner", "BucketSpace", "bucket_pairs", "bucket_space", "plan_buckets",
+           "sparse_attention_prefill_blocks"]

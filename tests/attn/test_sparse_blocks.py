@@ -19,9 +19,17 @@ from helpers.paged import DEV
 from helpers.triton_compile import run_compile_reports
 from test_prefill_tiles import CASES, MIXED, RANK8, Scenario, rel_err
 
+from attention.kernels import indexer as indexer_triton
 from attention.kernels import sparse as sparse_triton
 from attention.kernels import sparse_blocks
-from attention.kernels.sparse_blocks import BlockPlan, BlockPlanner, plan_buckets, sparse_attention_prefill_blocks
+from attention.kernels.sparse_blocks import (
+    BlockPlan,
+    BlockPlanner,
+    bucket_pairs,
+    bucket_space,
+    plan_buckets,
+    sparse_attention_prefill_blocks,
+)
 
 
 def planner_for(sc) -> BlockPlanner:
@@ -66,6 +74,36 @@ def test_block_major_matches_reference_and_per_token(name):
     per_token = sc.poisoned_out()
     sparse_triton.sparse_attention_prefill(sc.q, sc.k, sc.v, sel, sc.meta, per_token, sc.scale, block_t=1)
     assert rel_err(out[: sc.T], per_token[: sc.T].float()) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["mixed", "two-prefills"])
+def test_indexer_merge_buckets_like_the_bucketing_launch(name):
+    """The indexer's merge bucketing the pairs (``buckets=``, the backend's path) gives the same
+    selections, the same bucket counts and work-item count and the same attention output as
+    the indexer, then the bucketing launch; a padded row past the step stays unwritten."""
+    sc = Scenario(CASES[name], hq=4, hkv=2, d=16, bs=4, topk=3, seed=list(CASES).index(name) + 90)
+    plan = planner_for(sc).plan(sc.meta)
+    tiles = sc.tiles(indexer_triton.tile_block_t(2))
+    sel = sc.poisoned_sel()
+    buckets = indexer_triton.index_topk_prefill_tiled(sc.iq, sc.ik, sc.meta, sc.topk, sel, tiles,
+                                                      buckets=bucket_space(sc.q, 2, sc.topk, plan))
+    out = sc.poisoned_out()
+    sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel, sc.meta, out, sc.scale, plan, buckets)
+    sel_ref = sc.poisoned_sel()
+    assert indexer_triton.index_topk_prefill_tiled(sc.iq, sc.ik, sc.meta, sc.topk, sel_ref, tiles) is None
+    assert torch.equal(sel, sel_ref)
+    launched = bucket_pairs(bucket_space(sc.q, 2, sc.topk, plan), sel_ref, sc.meta)
+    assert torch.equal(buckets.space.counts, launched.space.counts), "pairs per bucket and work items opened"
+    out_ref = sc.poisoned_out()
+    sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel_ref, sc.meta, out_ref, sc.scale, plan)
+    assert out[sc.T :].isnan().all()
+    assert rel_err(out[: sc.T], out_ref[: sc.T].float()) < 1e-6
+    assert rel_err(out[: sc.T], sc.sparse_ref(sel[:, : sc.T])) < 1e-4
+    with pytest.raises(ValueError, match="buckets must hold"):  # buckets of another selection
+        sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel_ref, sc.meta, out, sc.scale, plan, buckets)
+    with pytest.raises(ValueError, match="buckets were made for"):
+        indexer_triton.index_topk_prefill_tiled(sc.iq, sc.ik, sc.meta, sc.topk, sc.poisoned_sel(), tiles,
+                                                buckets=bucket_space(sc.q, 2, sc.topk + 1, plan))
 
 
 @pytest.mark.parametrize("tiles_per_program", [1, 3])

@@ -197,9 +197,11 @@ def test_kernels_compile_for_hopper():
         return ["attention.kernels.indexer", "_partial_kernel", c, ptrs, [], 4 if bm <= 64 else 8,
                 indexer_triton.TILE_STAGES]
 
-    def merge(block_c):
-        c = dict(HIDX=1, BLOCK_C=block_c, TOPK=16, TOPK_PAD=16, CHUNK=16, KP=16)
-        return ["attention.kernels.indexer", "_merge_kernel", c, IDX_PTRS, [], 1, 3]
+    def merge(block_c, bucket=False):  # bucket: the merge that fills block-major attention's buckets
+        c = dict(HIDX=1, BLOCK_C=block_c, TOPK=16, TOPK_PAD=16, CHUNK=16, KP=16,
+                 **(dict(BUCKET=True, G=8, PAIRS=32) if bucket else {}))
+        ptrs = dict(IDX_PTRS, req_ptr="i32", counts_ptr="i32", pairs_ptr="i32", plse_ptr="fp32", tiles_ptr="i32")
+        return ["attention.kernels.indexer", "_merge_kernel", c, ptrs, [], 1, 3]
 
     def row(h, chunk, fp8=False, merge_last=False):  # the one-token (decode rows) kernel, as _launch runs it
         c = dict(HIDX=h, DI=128, HP=indexer_triton.row_heads(h, fp8), BLOCK_N=128, BLOCK_D=128, CHUNK=chunk,
@@ -213,8 +215,10 @@ def test_kernels_compile_for_hopper():
     fp8_tiled = partial(indexer_triton.tile_block_t(1), 1, indexer_triton.TILED_CHUNK, keep_all=True, fp8=True)
     cases = [partial(1, 4, 4), partial(16, 4, 64), row(1, 64), partial(4, 2, 4, di=32, bn=16, f32=True),
              tiled, merge(128), merge(512), row(4, 8), fp8_tiled, row(1, 64, fp8=True), row(8, 8, fp8=True),
-             row(1, 64, merge_last=True), row(1, 64, fp8=True, merge_last=True)]
+             row(1, 64, merge_last=True), row(1, 64, fp8=True, merge_last=True), merge(128, bucket=True)]
     reports = run_compile_reports(cases)
+    bucketing = reports.pop()
+    assert bucketing["spill_bytes"] == 0 and bucketing["regs"] <= 128, bucketing
     merging, reports = reports[11:], reports[:11]
     for rep, plain in zip(merging, (reports[2], reports[9])):  # the merge in the last chunk program
         # a GPU-scope count; the merge's registers stay below where 4 warps would bound occupancy

@@ -245,7 +245,12 @@ def test_kernels_compile_for_hopper():
              attn(4, 2, 1, d=32, bn=16, f32=True),
              ["attention.kernels.sparse", "_merge_kernel", merge, ATTN_PTRS, [], 4, 3],
              attn(1, 16, 16, merge_last=True), attn(1, 8, 16, merge_last=True), attn(1, 8, 16)]
+    # block-major prefill's merge at rank-of-8: bf16 partials, every split of a row in one load
+    bf16_merge = dict(G=8, D=128, BLOCK_D=128, NSPLIT=16, **sparse_triton._merge_tiles(8, 16, 128, elem_bytes=2))
+    assert bf16_merge["S_CHUNK"] == 16
+    cases.append(["attention.kernels.sparse", "_merge_kernel", bf16_merge, dict(ATTN_PTRS, po_ptr="bf16"), [], 4, 3])
     reports = run_compile_reports(cases)
+    assert reports.pop()["spill_bytes"] == 0
     assert reports[1]["wgmma"], "the 64-row prefill tile should use Hopper wgmma"
     for rep, plain in ((reports[6], reports[0]), (reports[7], reports[8])):  # the merge in the last split
         # a GPU-scope count; the merge's registers stay below where 4 warps would bound occupancy
