@@ -115,7 +115,7 @@ def _bucket_rows(
 
 @triton.jit(do_not_specialize=["T", "NB", "NCAP"])
 def _bucket_pairs_kernel(
-    sel_ptr, stride_sel_h, stride_sel_t, token_seq_ptr, slot_ptr, req_ptr, stride_req,
+    sel_ptr, stride_sel_h, stride_sel_t, slot_ptr, token_seq_ptr, req_ptr, stride_req,
     counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP, T,
     G: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr,
 ):
@@ -382,8 +382,8 @@ def bucket_pairs(space: BucketSpace, topk_idx: Tensor, meta: AttentionMetadata) 
                          f"top-{space.topk})")
     if T > 0:
         _bucket_pairs_kernel[(triton.cdiv(T, BUCKET_TOKENS), Hkv)](
-            topk_idx, topk_idx.stride(0), topk_idx.stride(1), meta.buffers.token_seq, meta.buffers.slot_mapping,
-            *space.kernel_args(meta)[1:], T, G=space.group, TOPK=space.topk, K_PAD=max(2, next_pow2(space.topk)),
+            topk_idx, topk_idx.stride(0), topk_idx.stride(1), meta.buffers.slot_mapping, *space.kernel_args(meta), T,
+            G=space.group, TOPK=space.topk, K_PAD=max(2, next_pow2(space.topk)),
             BLOCK_T=BUCKET_TOKENS, PAIRS=space.pairs_per_item, num_warps=4)
     return BlockBuckets(space, topk_idx)
 

@@ -227,3 +227,31 @@ def test_cuda_rank8_mixed_step_block_major(ctx, tiles_per_program, monkeypatch):
         sparse_triton.sparse_attention_prefill(sc.q, sc.k, sc.v, sel, sc.meta, per_token, sc.scale, block_t=1)
         assert rel_err(out[: sc.T], per_token[: sc.T].float()) < 5e-3
         assert rel_err(out[: sc.T], sc.sparse_ref(sel)) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ctx", [8192, 65536])
+def test_cuda_rank8_indexer_buckets_match_the_bucketing_launch(ctx):
+    """The backend's path at rank-of-8 shapes (3 decodes + a 1024-token chunk ending at ``ctx``):
+    the indexer's merge buckets the pairs; the selections and the bucket counts equal the
+    indexer then the bucketing launch, and the attention equals it within bf16 rounding."""
+    specs = [(ctx, 1), (ctx, 1024), (ctx - 37, 1), (ctx // 2, 1)]
+    sc = Scenario(specs, RANK8["hq"], RANK8["hkv"], RANK8["d"], RANK8["bs"], RANK8["topk"], seed=ctx + 1,
+                  dtype=torch.bfloat16)
+    plan = planner_for(sc).plan(sc.meta)
+    tiles = sc.tiles(indexer_triton.tile_block_t(RANK8["hkv"]))
+    sel = sc.poisoned_sel()
+    buckets = indexer_triton.index_topk_prefill_tiled(sc.iq, sc.ik, sc.meta, sc.topk, sel, tiles,
+                                                      buckets=bucket_space(sc.q, RANK8["hkv"], sc.topk, plan))
+    out = sc.poisoned_out()
+    sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel, sc.meta, out, sc.scale, plan, buckets)
+    sel_ref = sc.poisoned_sel()
+    indexer_triton.index_topk_prefill_tiled(sc.iq, sc.ik, sc.meta, sc.topk, sel_ref, tiles)
+    assert torch.equal(sel, sel_ref)
+    launched = bucket_pairs(bucket_space(sc.q, RANK8["hkv"], sc.topk, plan), sel_ref, sc.meta)
+    assert torch.equal(buckets.space.counts, launched.space.counts)
+    out_ref = sc.poisoned_out()
+    sparse_attention_prefill_blocks(sc.q, sc.k, sc.v, sel_ref, sc.meta, out_ref, sc.scale, plan)
+    assert out[sc.T :].isnan().all()
+    assert rel_err(out[: sc.T], out_ref[: sc.T].float()) < 1e-3
+    assert rel_err(out[: sc.T], sc.sparse_ref(sel[:, : sc.T])) < 1e-2
