@@ -6,9 +6,11 @@ fused producers; every request holds ``--context`` positions (written straight i
 bookkeeping over pages filled with random values, so attention costs what it would over a
 prompt and every request's hidden states differ, as the router would see them). Per step: the
 median wall ms of ``runner.step`` (plan, copy-in, replay, lm_head and the greedy tokens read
-on the host; ``--iters`` runs after 3 warm-ups, the requests rewound after each) and the
+on the host; ``--iters`` runs after 3 warm-ups, the requests rewound after each), the
 GPU-busy us (the sum of every kernel's duration in one profiled step, ``graphcap.report.
-measure_coverage``), per step and per layer.
+measure_coverage``), per step and per layer, and the graph span (first in-graph kernel's start
+to the last one's end, gaps included: a decode step's replay; the figure to compare where
+kernels overlap under programmatic dependent launch, whose waits GPU-busy counts).
 
 It uses only the runner API that every release has (``build_from_preset``, ``capture``,
 ``step``, ``make_step``, ``rewind_request``, ``manager``), so the same file measures an older
@@ -40,6 +42,17 @@ try:
     from steps import TokenChunk
 except ImportError:  # a checkout before the step vocabulary moved
     from attention.metadata import TokenChunk
+
+
+def pdl_mode() -> str:
+    """The checkout's programmatic dependent launch mode (``off`` where it has none). Under
+    ``early`` a kernel's duration includes its wait for the one before, so GPU-busy and the
+    per-kernel sums overstate: compare graph spans, or kernel sums with ``GRAPHCAP_PDL=off``."""
+    try:
+        from attention.kernels.pdl import pdl_mode as mode
+    except ImportError:
+        return "off"
+    return mode()
 
 
 def top_kernels(cov, layers: int, n: int) -> dict[str, float]:
@@ -171,7 +184,9 @@ def main() -> None:
         n_sparse = sum(config.is_sparse(i) for i in range(layers))
         sparse_us = sum(us for k, us in cov.graph_us_by_name.items() if _is_sparse_kernel(k))
         sparse_us += sum(us for site in cov.eager_us_by_site.values() for k, us in site.items() if _is_sparse_kernel(k))
-        rows[name] = dict(wall_ms=round(ms, 3), gpu_busy_us=round(cov.busy_us, 1), eager_us_by_site=sites,
+        span = getattr(cov, "graph_span_us", 0.0)  # an older checkout's Coverage may lack it
+        rows[name] = dict(wall_ms=round(ms, 3), gpu_busy_us=round(cov.busy_us, 1), graph_span_us=round(span, 1),
+                          eager_us_by_site=sites,
                           sparse_kernels_us_per_sparse_layer=round(sparse_us / max(n_sparse, 1), 1),
                           gpu_us_per_layer=round(cov.busy_us / layers, 1),
                           moe_us_per_moe_layer=round(moe_us / max(moe_layers, 1), 1),
@@ -179,6 +194,7 @@ def main() -> None:
                           kernel_us_per_layer=top_kernels(cov, layers, args.top_kernels))
         print(f"{args.label:>8} {name:>14}: wall {ms:8.2f} ms, GPU-busy {cov.busy_us / 1e3:8.2f} ms "
               f"({cov.busy_us / layers:6.1f} us/layer, MoE {moe_us / max(moe_layers, 1):6.1f} us/MoE layer), "
+              f"graph span {span / 1e3:6.2f} ms ({span / layers:6.1f} us/layer), "
               f"kernels {cov.in_graphs} in graphs + {cov.eager} eager; sparse attention kernels "
               f"{sparse_us / max(n_sparse, 1):6.1f} us/sparse layer", flush=True)
         if args.top_kernels:
@@ -188,7 +204,7 @@ def main() -> None:
             per = {site: round(us / max(n_sparse, 1), 1) for site, us in sites.items()}
             print(f"{args.label:>8} {name:>14}: eager GPU us per step by site {sites}; / {n_sparse} sparse layers "
                   f"{per}", flush=True)
-    res = dict(label=args.label, gpu=torch.cuda.get_device_name(), preset=args.preset, layers=layers,
+    res = dict(label=args.label, gpu=torch.cuda.get_device_name(), pdl=pdl_mode(), preset=args.preset, layers=layers,
                context=args.context, requests=n_req, mixed_decodes=md, chunk=chunk, iters=args.iters,
                build_s=round(build_s, 2), capture_s=round(capture_s, 2), kernel_choices=chosen,
                backend=args.backend, kv_dtype=args.kv_dtype or "bf16",

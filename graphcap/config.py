@@ -10,9 +10,10 @@ from typing import Mapping
 
 from common.values import int_tuple, is_int
 
-# GRAPHCAP_* variables that are not CaptureConfig fields (read elsewhere), so from_env does
-# not warn about them.
-OTHER_ENV_VARS = frozenset({"GRAPHCAP_CACHE_DIR"})
+# GRAPHCAP_* variables that are not CaptureConfig fields (read elsewhere: the cache directory,
+# the Triton kernels' programmatic dependent launch, attention.kernels.pdl), so from_env does not
+# warn about them.
+OTHER_ENV_VARS = frozenset({"GRAPHCAP_CACHE_DIR", "GRAPHCAP_PDL"})
 
 # What a config captures (``CaptureConfig.mode``), from nothing to everything.
 MODES = ("none", "decode", "piecewise", "full_and_piecewise")

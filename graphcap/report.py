@@ -38,6 +38,18 @@ class Coverage:
     eager_us_by_site: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     graph_by_name: Counter = field(default_factory=Counter)  # what the graphs replay (GPU) / producer ops (CPU)
     graph_us_by_name: Counter = field(default_factory=Counter)
+    graph_first_us: float | None = None  # trace time of the first in-graph kernel's start (GPU)
+    graph_last_us: float | None = None  # and of the last one's end
+
+    @property
+    def graph_span_us(self) -> float:
+        """GPU time from the first in-graph kernel's start to the last one's end, the gaps
+        between kernels included (a decode step's graph replay; kernels launched with
+        programmatic dependent launch overlap, so their summed durations, ``busy_us``, would
+        count the waits twice). 0 where no kernel ran in a graph."""
+        if self.graph_first_us is None or self.graph_last_us is None:
+            return 0.0
+        return self.graph_last_us - self.graph_first_us
 
     @property
     def busy_us(self) -> float:
@@ -65,6 +77,7 @@ class Coverage:
             "eager_us_by_site": {k: {n: round(t, 2) for n, t in v.items()} for k, v in self.eager_us_by_site.items()},
             "layers": self.layers,
             "busy_us": round(self.busy_us, 2),
+            "graph_span_us": round(self.graph_span_us, 2),
             "graph_kernels": {n: dict(count=c, us=round(self.graph_us_by_name[n], 2))
                               for n, c in self.graph_by_name.most_common()},
         }
@@ -136,6 +149,9 @@ def measure_coverage(manager: Any, step: Step, layers: int | None = None) -> Cov
                 cov.in_graphs_us += k["dur"]
                 cov.graph_by_name[k["name"][:100]] += 1
                 cov.graph_us_by_name[k["name"][:100]] += k["dur"]
+                start, end = k["ts"], k["ts"] + k["dur"]
+                cov.graph_first_us = start if cov.graph_first_us is None else min(cov.graph_first_us, start)
+                cov.graph_last_us = end if cov.graph_last_us is None else max(cov.graph_last_us, end)
             else:
                 cov.eager += 1
                 cov.eager_us += k["dur"]
@@ -200,7 +216,9 @@ def coverage_table(cov: Coverage, per_site: int = 8) -> Table:
             rest = sum(names.values()) - sum(c for _, c in names.most_common(per_site))
             table.add_row(f"  {site}: {len(names) - per_site} more names", str(rest), "")
     if cov.unit == "kernels":
-        table.caption = f"{100 * cov.fraction_in_graphs:.1f}% of kernels in graphs"
+        table.caption = (f"{100 * cov.fraction_in_graphs:.1f}% of kernels in graphs | graph span "
+                         f"{cov.graph_span_us:.1f} us (first in-graph kernel to the last, gaps included; kernel "
+                         f"times of programmatic dependent launches include their waits)")
     else:  # CPU: nothing is captured; producer segments are what a GPU run would capture
         table.caption = (f"{100 * cov.fraction_in_graphs:.1f}% of aten ops in producer segments "
                          f"(CPU, debug-eager: no graphs; a GPU run captures these)")

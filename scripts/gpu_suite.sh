@@ -22,7 +22,8 @@
 # bf16 then MXFP8), mxserve (serving, bf16 then MXFP8, same requests), mxacc (MXFP8 vs its
 # dequantised bf16 twin: logits and 200-step greedy agreement), longserve (the long-context serving
 # preset), ttft (one 128K prompt alone), fp8decode (decode 32 at 128K, bf16 vs fp8 KV), indexdecode (the
-# decode step's sparse kernels alone at 64K and 128K, bf16 vs fp8 KV), or a pytest path.
+# decode step's sparse kernels alone at 64K and 128K, bf16 vs fp8 KV), pdl (steps with programmatic
+# dependent launch off and in each mode), or a pytest path.
 # flashinfer travels as files in .whl/ (see README, "GPU runs"); it is installed into /tmp/site
 # when present. JIT and autotune caches stay on the machine between parts of one call.
 set -u
@@ -144,6 +145,13 @@ for part in "${parts[@]}"; do
                 rc=0
                 for kv in bf16 fp8; do
                   $T python3 benchmarks/bench_steps.py --layers ${FP8DECODE_LAYERS:-8} --context ${FP8DECODE_CTX:-128000} --decode 32 --mixed-decodes 3 --requests 32 --iters 10 --kv-dtype $kv --label "kv-$kv" --json "$OUT/bench_steps_kv_$kv.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                done ;;
+    pdl)        # steps with programmatic dependent launch off, then each mode (attention/kernels/pdl.py), one
+                # tree; PDL_ARGS: bench_steps flags (default: 30 layers of MXFP8, uniform routing, decode 1 and 32)
+                rc=0
+                for m in ${PDL_MODES:-off wait early}; do
+                  fresh_choices "pdl_$m"
+                  GRAPHCAP_PDL=$m GRAPHCAP_CACHE_DIR=$CHOICES $T python3 benchmarks/bench_steps.py --label "pdl-$m" ${PDL_ARGS:---layers 30 --quantization mxfp8 --routing uniform --decode 1,32 --iters 10} --json "$OUT/bench_steps_pdl_$m.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 done ;;
     audit)      $T python3 examples/serve_sim.py --preset rank-of-8 --modes full_and_piecewise --audit-every ${AUDIT_EVERY:-0,10,1000} --json "$OUT/serve_sim_audit.json" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;
     *)          $T python3 -m pytest -q -rs --timeout 300 "$part" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]} ;;

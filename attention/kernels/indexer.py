@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.arrival import arrival_counters, arrive
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.sparse_blocks import BlockBuckets, BucketSpace, _bucket_rows
 from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import (
@@ -275,12 +276,13 @@ def _row_partial_kernel(
     HIDX: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
     MERGE_LAST: tl.constexpr = False, BLOCK_C: tl.constexpr = 16, TOPK: tl.constexpr = 16,
-    TOPK_PAD: tl.constexpr = 16,
+    TOPK_PAD: tl.constexpr = 16, PDL: tl.constexpr = 0,
 ):
     """``_partial_kernel`` for one token per program (decode rows): program ``(i, c)`` is token
     ``i`` in chunk ``c`` (:func:`_row_candidates`). ``MERGE_LAST``: the last of a row's chunk
     programs to finish merges the row (``arrival``: the chunks up to its local block count; a
     padded row's selection is written by its chunk 0), with no merge launch after."""
+    grid_dependency(PDL)
     tok = tl.program_id(0)
     c = tl.program_id(1)
     _row_candidates(iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s, bt_ptr, stride_bt,
@@ -458,7 +460,7 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
         counts = arrival_counters(iq.device, T) if merge_last else part  # unread without MERGE_LAST
         _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1), counts,
                                              HP=row_heads(H, fp8_dot), **common, MERGE_LAST=merge_last, **merge,
-                                             **ROW_CONFIG)
+                                             **ROW_CONFIG, **pdl_launch(iq.device))
     else:
         # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
         # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad the tile to 64.

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.arrival import arrival_counters, arrive
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import check_device, entry_at, interpreting, next_pow2, num_sms, pad_dim
 from attention.metadata import AttentionMetadata
@@ -91,7 +92,9 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
     DENSE: tl.constexpr, DOT_F32: tl.constexpr, TILED: tl.constexpr = False, BT_PAD: tl.constexpr = 1,
     MERGE_LAST: tl.constexpr = False, G_PAD: tl.constexpr = 2, S_PAD: tl.constexpr = 2, S_CHUNK: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
 ):
+    grid_dependency(PDL)
     tile = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
@@ -367,6 +370,7 @@ def _launch(q: Tensor, k_cache_l: Tensor, v_cache_l: Tensor, sel: Tensor | None,
         # split tiles: one stage, so two programs share an SM (80 KB of shared memory each, 148
         # at two stages) and every split of a chunk's tiles runs at once
         num_warps=4 if block_m <= 64 else 8, num_stages=1 if block_t > 1 and nsplit > 1 else 2,
+        **pdl_launch(q.device),
     )
     if nsplit > 1 and not merge_last:
         merge_splits(po, plse, buf.slot_mapping, out, T, Hkv)

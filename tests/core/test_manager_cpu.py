@@ -181,6 +181,19 @@ def test_report_renders_and_coverage_attributes_splice_ops():
     print_report(manager, cov, console)
     text = console.export_text()
     assert "graphcap graphs" in text and "toy.attention" in text and "piecewise" in text
+    assert cov.graph_span_us == 0.0  # no kernel ran in a graph (CPU)
+
+
+def test_graph_span_counts_gaps_and_overlaps_once():
+    """The graph span runs from the first in-graph kernel's start to the last one's end: gaps
+    between kernels count, kernels that overlap (programmatic dependent launch) count once,
+    where ``busy_us`` sums their durations."""
+    from graphcap.report import Coverage
+
+    cov = Coverage(unit="kernels", in_graphs=3, in_graphs_us=10.0 + 10.0 + 5.0, graph_first_us=100.0,
+                   graph_last_us=120.0)  # kernels [100, 110], [105, 115] (overlapping) and [115, 120]
+    assert cov.graph_span_us == 20.0 and cov.busy_us == 25.0
+    assert cov.as_dict()["graph_span_us"] == 20.0
 
 
 def test_one_padding_decision_reaches_prepare_and_the_splices():

@@ -47,7 +47,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     in flight where it waits, ``num_stages - 2`` when fully pipelined, 0 where a step waits for
     the copy it just issued, -1 with no such wait; ``acq_rel_atomics``: some atomic orders memory
     at GPU scope, as a last-arrival count does; ``narrow_shared_loads``: shared-memory loads of
-    one or two bytes a thread).
+    one or two bytes a thread; ``grid_wait_first``: :func:`grid_wait_first`;
+    ``launches_dependents``: the kernel lets the next one be dispatched early (PDL)).
 
     A development check (the interpreter accepts code the compiler rejects, e.g. sibling
     branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
@@ -101,7 +102,17 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
                 cp_async="cp.async" in ptx, k_loop_loads=k_loop_loads(compiled.asm["ttgir"]),
                 copies_in_flight=copies_in_flight(compiled.asm["ttgir"]),
                 acq_rel_atomics=bool(re.search(r"atom\.\S*\.acq_rel\.", ptx)),
-                narrow_shared_loads=len(re.findall(r"ld\.shared\.[bu](?:8|16)\b", ptx)))
+                narrow_shared_loads=len(re.findall(r"ld\.shared\.[bu](?:8|16)\b", ptx)),
+                grid_wait_first=grid_wait_first(ptx),
+                launches_dependents="griddepcontrol.launch_dependents" in ptx)
+
+
+def grid_wait_first(ptx: str) -> bool:
+    """Whether ``griddepcontrol.wait`` comes before the kernel's first global-memory access
+    (load, store, atomic or asynchronous copy), as a PDL-launched kernel needs."""
+    wait = ptx.find("griddepcontrol.wait")
+    access = re.search(r"\b(?:ld|st|atom|red)\.global\b|\bcp\.async\b", ptx)
+    return wait >= 0 and (access is None or wait < access.start())
 
 
 def k_loop_loads(ttgir: str) -> int:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.triton_utils import check_device, check_tile_config, interpreting
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8
@@ -130,10 +131,12 @@ def linear_config_candidates(num_tokens: int, n: int, k: int) -> list[LinearConf
 def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_ptr, stride_out_split, stride_out,
                          T, N, K, k_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN: tl.constexpr, DOT_F32: tl.constexpr, S_WORDS: tl.constexpr = False):
+                         EVEN: tl.constexpr, DOT_F32: tl.constexpr, S_WORDS: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
     """out[split, rows, cols] = x[rows, K-range] @ dequant(w[cols, K-range])^T (fp32 when split,
     else out's dtype). ``S_WORDS``: ``s_ptr`` and ``stride_s`` are in int32 words of four scale
     bytes (``fp8_tiles.scale_words``)."""
+    grid_dependency(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -170,10 +173,12 @@ def _mxfp8_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_
 
 @triton.jit(do_not_specialize=["T"])
 def _gemv_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_ptr, stride_out, T, N, K,
-                        TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                        TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        PDL: tl.constexpr = 0):
     """out[t, cols] = x[t] @ dequant(w[cols])^T for the rows ``t`` of this program (axis 1: one,
     or with ``TWO`` two rows a program), ``BLOCK_N`` weight rows per program (``stride_s`` in
     int32 scale words)."""
+    grid_dependency(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ld = (cols % N).to(tl.int64)  # a partial last tile re-reads valid rows (not stored)
     t0 = tl.program_id(1) * (2 if TWO else 1)
@@ -187,8 +192,10 @@ def _gemv_linear_kernel(x_ptr, stride_x, w_ptr, stride_w, s_ptr, stride_s, out_p
 
 
 @triton.jit(do_not_specialize=["T"])
-def _split_sum_kernel(part_ptr, stride_split, out_ptr, T, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(part_ptr, stride_split, out_ptr, T, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = 0):
     """out[t, n] = sum over splits (in split order) of part[s, t, n]."""
+    grid_dependency(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < T * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -252,11 +259,11 @@ def mxfp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor | Non
         x, x.stride(0), weight, weight.stride(0), scales, scales.stride(0), target,
         0 if split == 1 else target.stride(0), n, t, n, k, k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=even, DOT_F32=dot_f32,
-        S_WORDS=words is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        S_WORDS=words is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(t * n, block),)](target, target.stride(0), out, t, n, SPLIT=split,
-                                                         BLOCK=block)
+                                                         BLOCK=block, **pdl_launch(x.device))
     return out
 
 
@@ -272,7 +279,8 @@ def _gemv_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, out: Tensor, cfg:
     two = t > 1
     _gemv_linear_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(t, 2 if two else 1))](
         x, x.stride(0), weight, weight.stride(0), words, words.stride(0), out, out.stride(0), t, n, k,
-        TWO=two, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        TWO=two, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        **pdl_launch(x.device))
 
 
 @triton.jit

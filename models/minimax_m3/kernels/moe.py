@@ -56,6 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.triton_utils import check_device, check_tile_config, interpreting, next_pow2
 from models.minimax_m3.layers import swiglu_oai_f32
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
@@ -377,11 +378,12 @@ def _moe_gate_up_kernel(
     T, H, I, IS, alpha, limit,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr,
-    W_F16: tl.constexpr = False, S_WORDS: tl.constexpr = False,
+    W_F16: tl.constexpr = False, S_WORDS: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for the pairs of
     expert ``program_id(0)`` (``E``: the shared expert, whose N-tiles may be narrower so that
     its 2*Is rows spread over more programs when it is the only expert with work)."""
+    grid_dependency(PDL)
     e = tl.program_id(0)
     start = tl.load(off_ptr + e)
     end = tl.load(off_ptr + e + 1)
@@ -410,12 +412,13 @@ def _moe_down_kernel(
     T, H, I, IS,
     K: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, W_FP8: tl.constexpr, W_F16: tl.constexpr = False,
-    S_WORDS: tl.constexpr = False,
+    S_WORDS: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32, one H-tile of one expert,
     over the M-tiles of its pairs this program owns (axis 2 splits them). ``W_FP8``: fp8 weights,
     dequantised in registers (see ``_gate_up_tiles``); with ``W_F16`` to f16, the activations
     being f16 already (the gate/up kernel wrote them so)."""
+    grid_dependency(PDL)
     e = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
@@ -467,9 +470,10 @@ def _moe_down_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _moe_combine_kernel(y_ptr, stride_y_split, stride_y, pos_ptr, out_ptr, stride_o_t, T, H,
-                        K: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                        K: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = 0):
     """out[t] = sum_k y[pos(t, k)] (valid pairs, k ascending) + y[pos(shared, t)], each pair's
     ``SPLIT`` partial sums (``y [SPLIT, P + T, H]``) in split order."""
+    grid_dependency(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     h_ok = h < H
@@ -626,7 +630,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
                              sorted_pairs)[None]
     cb = min(cfg.combine_block, max(16, next_pow2(H)))
     _moe_combine_kernel[(T, triton.cdiv(H, cb))](y, y.stride(0), y.stride(1), pair_pos, out, out.stride(0), T, H, K=K,
-                                                 BLOCK=cb, SPLIT=y.shape[0], num_warps=4)
+                                                 BLOCK=cb, SPLIT=y.shape[0], num_warps=4, **pdl_launch(out.device))
     return out
 
 
@@ -670,6 +674,7 @@ def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_
         DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=s_words,
         num_warps=cfg.gu_num_warps,
         num_stages=_fit_stages(cfg.gu_num_stages, (cfg.block_m * esz + 2 * max(bn, bns) * wsz) * bk),
+        **pdl_launch(dev),
     )
     bh, bkd = cfg.down_block_h, cfg.down_block_k
     _moe_down_kernel[(E + 1, triton.cdiv(H, bh), cfg.m_split)](
@@ -682,7 +687,7 @@ def _experts_dequant(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_
         T, H, I, Is,
         K=K, E=E, BLOCK_M=cfg.block_m, BLOCK_H=bh, BLOCK_K=bkd, EVEN_K=(I % bkd == 0 and Is % bkd == 0),
         DOT_F32=dot_f32, W_FP8=scales is not None, W_F16=w_f16, S_WORDS=s_words, num_warps=cfg.down_num_warps,
-        num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m * esz + bh * wsz) * bkd),
+        num_stages=_fit_stages(cfg.down_num_stages, (cfg.block_m * esz + bh * wsz) * bkd), **pdl_launch(dev),
     )
     return y
 

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.triton_utils import next_pow2
 
 from .fp8_gemv import gemv_rows
@@ -85,10 +86,11 @@ def _moe_gemv_gate_up_kernel(x_ptr, stride_x, w13_ptr, stride_w13_e, stride_w13_
                              stride_s13_n, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n, sorted_ptr, off_ptr,
                              act_ptr, stride_act, T, H, I, IS, alpha, limit,
                              K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for ``BLOCK_N // 2``
     columns ``n`` of the slot's expert: its gate and up rows interleaved, ``BLOCK_N`` weight rows
     per program (scale pointers and strides in int32 words)."""
+    grid_dependency(PDL)
     e, start, end = _slot_expert(off_ptr, E, E_PAD)
     if e < E:
         N = I
@@ -135,9 +137,10 @@ def _moe_gemv_down_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h,
                           T, H, I, IS,
                           K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_K_SHARED: tl.constexpr,
-                          NUM_STAGES: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     """y[pos, h] = w_pair * (act[pos, :N_e] . w2_e[h, :N_e]) in fp32 for ``BLOCK_N`` rows ``h``
     of the slot's expert (shared pairs weigh 1; scale pointers and strides in int32 words)."""
+    grid_dependency(PDL)
     e, start, end = _slot_expert(off_ptr, E, E_PAD)
     h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ld = (h % H).to(tl.int64)  # a partial last tile re-reads valid rows (not stored)
@@ -186,14 +189,14 @@ def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0), sorted_pairs, off, act, act.stride(0),
         T, H, I, Is, float(alpha), float(limit),
         K=K, E=E, E_PAD=e_pad, BLOCK_N=block_n, BLOCK_K=gemv_step(H, block_k), NUM_STAGES=num_stages,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl_launch(x.device))
     y = torch.empty(1, P + T, H, dtype=torch.float32, device=x.device)
     _moe_gemv_down_kernel[(slots, triton.cdiv(H, block_n))](
         act, act.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0), topk_w, sorted_pairs, off, y, y.stride(1),
         T, H, I, Is,
         K=K, E=E, E_PAD=e_pad, BLOCK_N=block_n, BLOCK_K=gemv_step(I, block_k),
-        BLOCK_K_SHARED=gemv_step(Is, block_k), NUM_STAGES=num_stages, num_warps=num_warps)
+        BLOCK_K_SHARED=gemv_step(Is, block_k), NUM_STAGES=num_stages, num_warps=num_warps, **pdl_launch(x.device))
     return y
 
 

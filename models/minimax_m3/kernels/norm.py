@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.triton_utils import check_device, next_pow2
 from models.minimax_m3.layers import gemma_rms_normalize
 
@@ -56,9 +57,10 @@ def gemma_fused_add_rmsnorm_torch(x: Tensor, residual: Tensor, weight: Tensor, e
 @triton.jit
 def _gemma_norm_kernel(
     x_ptr, stride_x, res_ptr, stride_res, w_ptr, out_ptr, stride_out, eps,
-    H: tl.constexpr, BLOCK_H: tl.constexpr, FUSED_ADD: tl.constexpr,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, FUSED_ADD: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Row t: [residual += x;] out = norm(x or the fp32 sum) * (1 + w)."""
+    grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + t * stride_x
     r_row = res_ptr + t * stride_res
@@ -108,7 +110,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, out:
     res = residual if residual is not None else x  # unused without FUSED_ADD
     _gemma_norm_kernel[(T,)](
         x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), float(eps),
-        H=H, BLOCK_H=block, FUSED_ADD=residual is not None, num_warps=warps,
+        H=H, BLOCK_H=block, FUSED_ADD=residual is not None, num_warps=warps, **pdl_launch(x.device),
     )
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.triton_utils import check_device, next_pow2
 from kvcache.paged import FP8_E4M3_MAX, check_cache_dtype
 from models.minimax_m3.layers import gemma_rms_normalize
@@ -240,8 +241,9 @@ def _producer_kernel(
     ic_ptr, stride_ic_p, stride_ic_s,
     page_size, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HIDX: tl.constexpr, DI: tl.constexpr,
-    ROT: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
+    ROT: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    grid_dependency(PDL)
     t = tl.program_id(0)
     u = tl.program_id(1)
     NQU: tl.constexpr = (HQ + HB - 1) // HB
@@ -354,7 +356,7 @@ def norm_rope_cache_write(
         k_cache.shape[1], L.eps,
         HQ=L.num_q_heads, HKV=L.num_kv_heads, D=L.head_dim, HIDX=L.num_index_heads, DI=di,
         ROT=L.rotary_dim, HB=hb, BLOCK_D=next_pow2(L.head_dim), BLOCK_DI=next_pow2(di),
-        num_warps=4,
+        num_warps=4, **pdl_launch(qkv.device),
     )
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.arrival import arrival_counters, arrive
+from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.triton_utils import check_device, interpreting, next_pow2, num_sms
 from models.minimax_m3.layers import route
 
@@ -177,7 +178,7 @@ def route_torch(
 def _router_logits_kernel(
     x_ptr, stride_x, w_ptr, part_ptr, T,
     E: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-    H_PER_SPLIT: tl.constexpr, BF16_SPLIT: tl.constexpr = False, DOT_F32: tl.constexpr = False,
+    H_PER_SPLIT: tl.constexpr, BF16_SPLIT: tl.constexpr = False, DOT_F32: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """part[split, t, e] = sum over this split's hidden columns h of fp32(x[t, h]) * W[e, h].
 
@@ -191,6 +192,7 @@ def _router_logits_kernel(
     SGEMM's error against fp64 at 1054 tokens; promoted per step, 0.23x: 7.2e-7 against
     3.1e-6, a bf16 weight 8.3e-3). ``DOT_F32``: the
     same parts through fp32 dots (the interpreter, whose bf16 dots are not exact)."""
+    grid_dependency(PDL)
     pt = tl.program_id(0)  # token tiles first: programs sharing a weight tile run close together (L2)
     ps = tl.program_id(1)
     pe = tl.program_id(2)
@@ -250,6 +252,7 @@ def _router_topk_kernel(
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_NRT: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     SIMULATE: tl.constexpr = False, UNIFORM: tl.constexpr = False,
     ALIGN: tl.constexpr = False, NL: tl.constexpr = 1, NL_PAD: tl.constexpr = 2, CHUNK: tl.constexpr = 16,
+    PDL: tl.constexpr = 0,
 ):
     """Token t: logits from the partials -> K (expert, weight) pairs, padded and remapped.
 
@@ -261,6 +264,7 @@ def _router_topk_kernel(
     (``moe_align.align_pairs`` over the ``NL`` local experts, one chunk of ``CHUNK`` pairs),
     instead of an align launch.
     """
+    grid_dependency(PDL)
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     e_ok = e < E
@@ -377,7 +381,7 @@ def route_triton(
         HAS_GLOBAL=global_ids_out is not None, SIMULATE=simulation is not None,
         UNIFORM=simulation is not None and simulation.strategy == "uniform", ALIGN=align_out is not None,
         NL=max(1, num_local), NL_PAD=max(2, next_pow2(num_local)), CHUNK=align_chunk(T * top_k, num_local),
-        num_warps=cfg.topk_warps,
+        num_warps=cfg.topk_warps, **pdl_launch(x.device),
     )
 
 
@@ -406,6 +410,7 @@ def router_logit_partials(x: Tensor, gate_weight: Tensor, cfg: RouterConfig) -> 
         x, x.stride(0), gate_weight, part, T,
         E=E, H=H, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, H_PER_SPLIT=cfg.h_per_split,
         BF16_SPLIT=cfg.bf16_split, DOT_F32=interpreting(), num_warps=cfg.gemv_warps, num_stages=3,
+        **pdl_launch(x.device),
     )
     return part
 
