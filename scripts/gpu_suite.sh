@@ -141,10 +141,11 @@ for part in "${parts[@]}"; do
                 fi
                 $T python3 benchmarks/bench_index_decode.py --label after ${INDEXDECODE_ARGS:-} --json "$OUT/bench_index_decode${INDEXDECODE_TAG:-}.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0])) ;;
     fp8decode)  # decode at long context, bf16 vs fp8 KV: the sparse kernels' GPU time per layer (FP8DECODE_LAYERS
-                # layers so 32 requests of 128K fit; the per-layer kernels do not depend on the layer count)
+                # layers so 32 requests of 128K fit; the per-layer kernels do not depend on the layer count).
+                # Summed kernel times: PDL off (a PDL-launched kernel's time includes its wait for the one before)
                 rc=0
                 for kv in bf16 fp8; do
-                  $T python3 benchmarks/bench_steps.py --layers ${FP8DECODE_LAYERS:-8} --context ${FP8DECODE_CTX:-128000} --decode 32 --mixed-decodes 3 --requests 32 --iters 10 --kv-dtype $kv --label "kv-$kv" --json "$OUT/bench_steps_kv_$kv.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
+                  GRAPHCAP_PDL=${GRAPHCAP_PDL:-off} $T python3 benchmarks/bench_steps.py --layers ${FP8DECODE_LAYERS:-8} --context ${FP8DECODE_CTX:-128000} --decode 32 --mixed-decodes 3 --requests 32 --iters 10 --kv-dtype $kv --label "kv-$kv" --json "$OUT/bench_steps_kv_$kv.json" 2>&1 | tee -a "$LOG"; rc=$((rc | PIPESTATUS[0]))
                 done ;;
     pdl)        # steps with programmatic dependent launch off, then each mode (attention/kernels/pdl.py), one
                 # tree; PDL_ARGS: bench_steps flags (default: 30 layers of MXFP8, uniform routing, decode 1 and 32)
