@@ -44,7 +44,7 @@ import triton.language as tl
 
 from attention.kernels.arrival import arrival_counters, arrive
 from attention.kernels.pdl import grid_dependency, pdl_launch
-from attention.kernels.sparse_blocks import BlockBuckets, BucketSpace, _bucket_rows
+from attention.kernels.sparse_blocks import BlockBuckets, BucketSpace, bucket_rows
 from attention.kernels.tiles import StepTiles, check_tile_rows
 from attention.kernels.triton_utils import (
     check_device,
@@ -363,7 +363,7 @@ def _merge_kernel(
     PAIRS: tl.constexpr = 1,
 ):
     """Program ``(t, h)``: :func:`_merge_row` of row ``t``, head ``h``; with ``BUCKET`` the
-    row's pairs then go into block-major attention's buckets (``sparse_blocks._bucket_rows``,
+    row's pairs then go into block-major attention's buckets (``sparse_blocks.bucket_rows``,
     head ``h`` = kv group; the arguments from ``token_seq_ptr`` on are ``BucketSpace.kernel_args``),
     which saves that attention its bucketing launch."""
     t = tl.program_id(0)
@@ -373,7 +373,7 @@ def _merge_kernel(
                      tl.load(pos_ptr + t).to(tl.int32) // page_size, NCAND, HIDX, BLOCK_C, TOPK, TOPK_PAD, CHUNK, KP)
     if BUCKET:
         one = tl.zeros([1], tl.int32)
-        _bucket_rows(res[None, :], t + one, (slot + one) >= 0, tl.arange(0, TOPK_PAD), h, token_seq_ptr, req_ptr,
+        bucket_rows(res[None, :], t + one, (slot + one) >= 0, tl.arange(0, TOPK_PAD), h, token_seq_ptr, req_ptr,
                      stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP, HIDX, G, TOPK, PAIRS)
 
 

@@ -12,7 +12,7 @@ loads its block's K and V once and runs up to ``TILES_PER_PROGRAM`` tiles of its
 like.
 
 Three launches per layer (plus the zeroed bucket counters, :class:`BucketSpace`):
-1. Bucketing (:func:`_bucket_rows`): each valid pair ``(t, j)`` of kv group ``g`` takes a
+1. Bucketing (:func:`bucket_rows`): each valid pair ``(t, j)`` of kv group ``g`` takes a
    place in the bucket of ``(g, request, block)`` with an atomic counter and writes its code
    ``t * TOPK + j`` there (the order inside a bucket varies from run to run; every pair's
    result does not depend on it), and every ``PAIRS``-th pair of a bucket opens a work item;
@@ -76,7 +76,7 @@ ROWS = 4
 
 
 @triton.jit
-def _bucket_rows(
+def bucket_rows(
     sel, t, t_ok, kk, g, token_seq_ptr, req_ptr, stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP,
     HKV, G: tl.constexpr, TOPK: tl.constexpr, PAIRS: tl.constexpr,
 ):
@@ -119,7 +119,7 @@ def _bucket_pairs_kernel(
     counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP, T,
     G: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr,
 ):
-    """Program ``(token block, g)``: :func:`_bucket_rows` of ``BLOCK_T`` tokens' selections."""
+    """Program ``(token block, g)``: :func:`bucket_rows` of ``BLOCK_T`` tokens' selections."""
     g = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     kk = tl.arange(0, K_PAD)
@@ -128,7 +128,7 @@ def _bucket_pairs_kernel(
     in_k = t_ok[:, None] & (kk[None, :] < TOPK)
     sel = tl.load(sel_ptr + g * stride_sel_h + t.to(tl.int64)[:, None] * stride_sel_t + kk[None, :], mask=in_k,
                   other=-1)
-    _bucket_rows(sel, t, t_ok, kk, g, token_seq_ptr, req_ptr, stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr,
+    bucket_rows(sel, t, t_ok, kk, g, token_seq_ptr, req_ptr, stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr,
                  NB, NCAP, tl.num_programs(1), G, TOPK, PAIRS)
 
 
@@ -326,7 +326,7 @@ class BucketSpace:
     pairs_per_item: int
 
     def kernel_args(self, meta: AttentionMetadata) -> tuple:
-        """The arguments :func:`_bucket_rows` takes after the selections, from ``token_seq``
+        """The arguments :func:`bucket_rows` takes after the selections, from ``token_seq``
         to ``NCAP``, in order."""
         p = self.plan
         return (meta.buffers.token_seq, p.req, p.req.stride(0), self.counts, self.pairs, self.plse, self.tiles,
@@ -440,5 +440,5 @@ def sparse_attention_prefill_blocks(q: Tensor, k_cache_l: Tensor, v_cache_l: Ten
 
 
 __all__ = ["ATTN_CONFIG", "BLOCK_M", "BUCKET_TOKENS", "PARTIALS", "TILES_PER_PROGRAM", "BlockBuckets", "BlockPlan",
-           "BlockPlanner", "BucketSpace", "bucket_pairs", "bucket_space", "plan_buckets",
+           "BlockPlanner", "BucketSpace", "bucket_pairs", "bucket_rows", "bucket_space", "plan_buckets",
            "sparse_attention_prefill_blocks"]
