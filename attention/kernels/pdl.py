@@ -62,7 +62,9 @@ def pdl_launch(device: torch.device) -> dict[str, object]:
     """Launch options for a kernel that starts with :func:`grid_dependency`: its ``PDL``
     constexpr and Triton's ``launch_pdl``, or none where PDL is off or unsupported."""
     mode = pdl_mode()
-    if mode == "off" or interpreting() or device.type != "cuda" or not _supported(device.index or 0):
+    if mode == "off" or interpreting() or device.type != "cuda":
+        return {}
+    if not _supported(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
     return {"PDL": PDL_MODES.index(mode), "launch_pdl": True}
 
