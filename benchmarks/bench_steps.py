@@ -65,17 +65,18 @@ def top_kernels(cov, layers: int, n: int) -> dict[str, float]:
     return {k: round(us / layers, 1) for k, us in sorted(total.items(), key=lambda kv: -kv[1])[:n]}
 
 
-def kernel_choices(runner, sizes: list[int]) -> list[str]:
-    """The tuner's choices for the MoE and the MXFP8 projections at the decode sizes (names as
-    the tuner lists them; the MoE's configs by candidate index, with the config itself), so a
-    run says which kernels its figures measured. Empty on checkouts without a tuner."""
+def kernel_choices(runner, sizes: list[int] | None) -> list[str]:
+    """The tuner's choices for the MoE and the MXFP8 projections at ``sizes`` rows (None: every
+    size it chose for) (names as the tuner lists them; the MoE's configs by candidate index,
+    with the config itself), so a run says which kernels its figures measured. Empty on
+    checkouts without a tuner."""
     ops = getattr(runner.model, "ops", None)
     tuner = getattr(ops, "tuner", None)
     moe_configs = getattr(getattr(ops, "moe", None), "_configs", {})
     out = []
     for (op, key), choice in sorted(getattr(tuner, "choices", {}).items(), key=lambda kv: str(kv[0])):
         rows = key if op == "moe" else key[-1] if isinstance(key, tuple) else None
-        if op in ("moe", "mxfp8_linear") and rows in sizes:
+        if op in ("moe", "mxfp8_linear") and (sizes is None or rows in sizes):
             what = choice.chosen
             if op == "moe" and key in moe_configs:
                 what += f" {moe_configs[key]}"
@@ -204,6 +205,11 @@ def main() -> None:
             per = {site: round(us / max(n_sparse, 1), 1) for site, us in sites.items()}
             print(f"{args.label:>8} {name:>14}: eager GPU us per step by site {sites}; / {n_sparse} sparse layers "
                   f"{per}", flush=True)
+    # the other sizes' choices too (the mixed step's padded size among them), now that all have run
+    chosen_rest = [c for c in kernel_choices(runner, None) if c not in chosen]
+    for line in chosen_rest:
+        print(f"{args.label:>8} chose {line}", flush=True)
+    chosen += chosen_rest
     res = dict(label=args.label, gpu=torch.cuda.get_device_name(), pdl=pdl_mode(), preset=args.preset, layers=layers,
                context=args.context, requests=n_req, mixed_decodes=md, chunk=chunk, iters=args.iters,
                build_s=round(build_s, 2), capture_s=round(capture_s, 2), kernel_choices=chosen,

@@ -15,6 +15,8 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers.paged import DEV
 from helpers.triton_compile import run_compile_reports
 
@@ -289,16 +291,23 @@ def test_fp8_mma_kernels_compile_for_hopper():
             "y_ptr": "fp32", "topk_w_ptr": "fp32", "v_ptr": "bf16", "q_ptr": "fp8e4nv", "f_ptr": "fp32"}
     M = "models.minimax_m3.kernels.moe_fp8_mma"
     configs = moe._mma_candidates(1) + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64, mma_num_stages=3)]
+    floats = {"_moe_mma_gate_up_kernel": ["alpha", "limit"], "_moe_mma_down_kernel": []}
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
-                     "DOT_F32": False, "F16": False}, ptrs, [], 4, c.mma_num_stages]
+                     "DOT_F32": False, "F16": False}, ptrs, floats[k], 4, c.mma_num_stages]
              for c in configs for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
     cases += [[M, "_moe_split_rows_kernel", {"BLOCK": 8192}, ptrs, [], 8, 1],
               [M, "_moe_swiglu_split_kernel", {"E": REAL["E"], "SPLIT": 2, "BLOCK": 4096, "F16": False}, ptrs,
                ["alpha", "limit"], 8, 1]]
     f16 = moe._mma_candidates(1054, f16=True) + [dataclasses.replace(c, mma_f16=True) for c in moe._mma_candidates(1)]
+    f16 += [dataclasses.replace(f16[0], mma_tail_t=16)]  # a second, smaller tile for an expert's last pairs
+    tail = lambda c: c.mma_tail_t if c.mma_tail_t < c.mma_block_t else 0  # noqa: E731 (the kernel's TAIL_T)
+    # with K unsplit the gate/up kernel stores the f16 activation (ACT: the SwiGLU in its epilogue)
+    act = {"_moe_mma_gate_up_kernel": lambda c: {"ACT": c.mma_split == 1, "TAIL_T": tail(c)},
+           "_moe_mma_down_kernel": lambda c: {"TAIL_T": tail(c)}}
     cases += [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
-                      "DOT_F32": False, "F16": True}, dict(ptrs, xq_ptr="fp16", aq_ptr="fp16"),
-               [], c.mma_num_warps, c.mma_num_stages]
+                      "DOT_F32": False, "F16": True, **act[k](c)},
+               dict(ptrs, xq_ptr="fp16", aq_ptr="fp16", h_ptr="fp16" if c.mma_split == 1 else "fp32"),
+               floats[k], c.mma_num_warps, c.mma_num_stages]
               for c in f16 for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
     reports = run_compile_reports(cases)
     gemms, rest = reports[:2 * len(configs)], reports[2 * len(configs) + 2:]
@@ -633,6 +642,98 @@ def test_fp8_mma_f16_candidates_track_the_dequantized_weights(T):
     for cfg in configs:
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
         assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 1e-3), cfg
+
+
+@pytest.mark.parametrize("T", [40, 100])
+def test_fp8_mma_tail_tiles_track_the_dequantized_weights(T):
+    """``mma_tail_t``: an expert's last tile of at most that many pairs runs as a smaller tile;
+    the results track the torch twin on the dequantised weights and equal the full tiles' within
+    rounding, in both forms (f16 dequantise, e4m3 dots with K split), and the routing leaves such
+    tails (the smaller tile is run)."""
+    from models.minimax_m3.kernels.moe_align import moe_align
+
+    pb = Problem(T, E=6, seed=110 + T, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, **FP8_EVEN)
+    w8, scales, deq = quantized(pb)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    counts = moe_align(pb.ids, pb.E)[0].diff().tolist()
+    for f16, block_t, tail_t, split in ((True, 64, 16, 1), (True, 32, 8, 1), (False, 32, 16, 2)):
+        assert any(0 < c % block_t <= tail_t for c in counts), (counts, block_t, tail_t)
+        full = moe.MoEConfig(fp8_mma=True, mma_f16=f16, mma_block_n=64, mma_block_t=block_t, mma_split=split)
+        outs = [moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+                for cfg in (dataclasses.replace(full, mma_tail_t=tail_t), full)]
+        assert rel_err(outs[0], want) < (1e-2 if DEV == "cuda" else 1e-3 if f16 else 3e-3), (f16, block_t)
+        assert rel_err(outs[0], outs[1]) < 1e-5, (f16, block_t)  # the same sums, in smaller dots
+    with pytest.raises(ValueError, match="mma_tail_t must be one of 8, 16, 32, 64, 128"):
+        moe.MoEConfig(fp8_mma=True, mma_tail_t=24)
+
+
+@pytest.mark.parametrize("T", [5, 100])
+def test_f16_form_activation_in_the_gate_up_epilogue_equals_the_swiglu_kernel(T):
+    """The f16 form with K unsplit applies SwiGLU-OAI in the gate/up kernel's epilogue, each tile
+    holding gate rows and their up rows; the per-pair outputs are bit for bit those of the
+    SwiGLU kernel reading the fp32 sums back (same sums, same maths), for tiles of 64 and 128
+    weight rows, one or several pair tiles per expert. On the GPU each output's MMA accumulation
+    order is the same whichever tile holds its weight row; the interpreter's numpy matmul may
+    round a row differently inside a different matrix, which an f16 rounding of the activation
+    can carry to a few ulp of the output: there, within 1e-5."""
+    from attention.kernels.triton_utils import check_device
+    from models.minimax_m3.kernels.moe_align import moe_align
+    from models.minimax_m3.kernels.moe_fp8_mma import experts_fp8_mma
+
+    pb = Problem(T, E=6, seed=70 + T, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, **FP8_EVEN)
+    w8, scales, _ = quantized(pb)
+    check_device("experts_fp8_mma", pb.x)  # what fused_moe checks before it calls the path
+    off, sorted_pairs, _ = moe_align(pb.ids, pb.E)
+    for block_n, block_t, warps in ((64, 16, 4), (128, 64, 8)):
+        ys = [experts_fp8_mma(pb.x, pb.w, *w8, tuple(scales), ALPHA, LIMIT, off, sorted_pairs, pb.K, block_n, block_t,
+                              1, 2, f16=True, num_warps=warps, act_in_gate_up=fused) for fused in (True, False)]
+        n = int(off[-1])  # sorted pairs written (the rows past them are the buffers' padding)
+        if DEV == "cuda":
+            assert torch.equal(ys[0][:, :n], ys[1][:, :n]), (block_n, block_t)
+        else:
+            assert rel_err(ys[0][:, :n], ys[1][:, :n]) < 1e-5, (block_n, block_t)
+        assert ys[0][:, :n].abs().sum() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [200, 1054])
+def test_cuda_f16_epilogue_activation_is_bit_identical_at_real_shapes(T):
+    """Rank-of-8 shapes, router-like routing: the activation in the gate/up epilogue gives the
+    per-pair outputs of the SwiGLU kernel reading the fp32 sums back, bit for bit; with smaller
+    tiles for each expert's last pairs (``tail_t``) the same within rounding."""
+    from models.minimax_m3.kernels.moe_align import moe_align
+    from models.minimax_m3.kernels.moe_fp8_mma import experts_fp8_mma
+
+    pb = real_problem(T, seed=400 + T)
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    pb.ids, pb.w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
+    w8, scales, _ = quantized(pb)
+    off, sorted_pairs, _ = moe_align(pb.ids, pb.E)
+    n = int(off[-1])
+    for block_n, block_t, warps in ((64, 64, 4), (128, 64, 8)):
+        ys = [experts_fp8_mma(pb.x, pb.w, *w8, tuple(scales), ALPHA, LIMIT, off, sorted_pairs, pb.K, block_n, block_t,
+                              1, 3, f16=True, num_warps=warps, act_in_gate_up=fused) for fused in (True, False)]
+        assert torch.equal(ys[0][:, :n], ys[1][:, :n]), (block_n, block_t)
+        for tail_t in (16, 32):
+            y = experts_fp8_mma(pb.x, pb.w, *w8, tuple(scales), ALPHA, LIMIT, off, sorted_pairs, pb.K, block_n,
+                                block_t, 1, 3, f16=True, num_warps=warps, tail_t=tail_t)
+            assert rel_err(y[:, :n], ys[0][:, :n]) < 1e-5, (block_n, tail_t)
+
+
+@triton.jit
+def _scatter_k_order(v_ptr, out_ptr, C: tl.constexpr):
+    c = tl.arange(0, C)
+    tl.store(out_ptr + mma.k_order_position(c), tl.load(v_ptr + c))
+
+
+def test_k_order_position_is_to_k_order():
+    """``k_order_position`` (the epilogue's scattered store) sends every column where
+    ``to_k_order`` (``permute_k``) puts it."""
+    v = torch.randn(1, 512, device=DEV)
+    out = torch.full_like(v, float("nan"))
+    _scatter_k_order[(1,)](v, out, C=512)
+    assert torch.equal(out.to(torch.float16), mma.permute_k(v))
 
 
 def test_k_order_is_the_order_permute_k_writes():

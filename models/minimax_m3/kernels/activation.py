@@ -18,15 +18,22 @@ Tensor = torch.Tensor
 
 
 @triton.jit
+def swiglu_oai(g, u, alpha, limit):
+    """SwiGLU-OAI of fp32 gate and up values of any (equal) shape: the one definition every
+    kernel applying the activation calls (the dense MLP's, the MoE epilogues and row kernels)."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + 1.0)
+
+
+@triton.jit
 def _swiglu_oai_kernel(gu_ptr, stride_gu, out_ptr, stride_out, inter, alpha, limit, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(gu_ptr + t * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    y = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    y = swiglu_oai(g, u, alpha, limit)
     tl.store(out_ptr + t * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -48,6 +48,8 @@ against, and the CPU path.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -62,6 +64,7 @@ from models.minimax_m3.layers import swiglu_oai_f32
 from models.minimax_m3.mxfp8 import BLOCK as MX_BLOCK
 from models.minimax_m3.mxfp8 import FP8, dequantize_mxfp8
 
+from .activation import swiglu_oai
 from .fp8_tiles import F16_SCALE_EXPONENTS, block_scale_factors, scale_words
 from .moe_align import MoEAlignment, moe_align
 from .moe_experts import down_weights
@@ -119,6 +122,10 @@ class MoEConfig:
             registers and dotted with f16 rows (the weight tile is wgmma's register operand:
             one K = 128 dot per step, no per-block product to wait for, no row split); only
             for scales within ``F16_SCALE_EXPONENTS`` (``scales_fit_f16``).
+        mma_tail_t: with ``fp8_mma`` and below ``mma_block_t``: an expert's last tile of at
+            most that many pairs runs as a tile of that size (with ~66 pairs per routed expert
+            in a 1054-token step, 64-pair tiles leave a tail of a few pairs that a full tile's
+            dots would pad to 64); at or above ``mma_block_t`` (the default) no smaller tile.
     """
 
     block_m: int = 16
@@ -141,6 +148,7 @@ class MoEConfig:
     mma_num_stages: int = 4
     mma_num_warps: int = 4
     mma_f16: bool = False
+    mma_tail_t: int = 128
     gemv: bool = False
     gemv_block_n: int = 4
     gemv_block_k: int = 512
@@ -158,6 +166,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: mma_block_n must be 64 or 128, mma_block_t one of 8, 16, 32, 64, 128, "
                              f"mma_split >= 1 and mma_num_warps 4 or 8, got {self.mma_block_n}, {self.mma_block_t}, "
                              f"{self.mma_split}, {self.mma_num_warps}")
+        if self.mma_tail_t not in (8, 16, 32, 64, 128):
+            raise ValueError(f"MoEConfig.mma_tail_t must be one of 8, 16, 32, 64, 128 (at or above mma_block_t: no "
+                             f"smaller last tile), got {self.mma_tail_t}")
         if self.mma_f16 and not self.fp8_mma:
             raise ValueError("MoEConfig.mma_f16 is a form of the fp8_mma tiles: set fp8_mma=True too")
         if self.gemv_block_n < 2 or self.gemv_block_n & (self.gemv_block_n - 1) or self.gemv_block_k < 128 \
@@ -230,11 +241,17 @@ def _mma_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
     H200 measured at T=1054 (666 us against 726 for the best dequantising set; bf16 weights
     558), and in K order 12.5% faster again (H100: 684.5 -> 598.7 us; 128-pair tiles, 8 warps
     over 128 weight rows and 2-3 stages of those were 656-916 us, benchmarks/results/mxfp8_round8/).
+    On the H100 4 stages and 32-pair tiles for each expert's last pairs (``mma_tail_t``) were
+    faster again (T=1054, kernels alone: 570.5 -> 542.7 us, benchmarks/results/mxfp8_round11/):
+    both are offered, the tuner keeps the faster on the GPU it runs on.
     At decode sizes the f16 form ran as fast as the others but not faster (H200, T=1 59.6 vs
     55.3 us, T=32 172.9 vs 168.7, T=64 324.9 vs 319.0; in K order on the H100, T=32 182.4 vs
     183.6, T=64 353.2 vs 354.4), so it is not offered there."""
     if num_tokens > _DECODE_MAX_TOKENS:
-        return [MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3)] if f16 else []
+        if not f16:
+            return []
+        prefill = MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3)
+        return [prefill, dataclasses.replace(prefill, mma_num_stages=4, mma_tail_t=32)]
     return [MoEConfig(fp8_mma=True, mma_block_n=64, mma_block_t=16, mma_split=split, mma_num_stages=4)
             for split in (1, 2, 4)]
 
@@ -360,9 +377,7 @@ def _gate_up_tiles(x_ptr, stride_x_t, wg_ptr, wu_ptr, stride_wn, sg_ptr, su_ptr,
             else:
                 acc_g = tl.dot(xa, wg, acc_g)
                 acc_u = tl.dot(xa, wu, acc_u)
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        a = g * tl.sigmoid(alpha * g) * (u + 1.0)
+        a = swiglu_oai(acc_g, acc_u, alpha, limit)
         tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_n[None, :],
                  a.to(act_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
@@ -621,7 +636,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
-                            cfg.mma_f16, cfg.mma_num_warps)
+                            cfg.mma_f16, cfg.mma_num_warps,
+                            tail_t=cfg.mma_tail_t if cfg.mma_tail_t < cfg.mma_block_t else 0)
     elif gemv:
         y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                          sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)

@@ -64,6 +64,7 @@ from attention.kernels.triton_utils import fp8_split_rows, interpreting, next_po
 from common.fp8_split import fp8_split_rows as fp8_split_rows_torch
 from models.minimax_m3.layers import swiglu_oai_f32
 
+from .activation import swiglu_oai
 from .fp8_tiles import scale_factor, scale_words
 from .moe_experts import down_weights
 
@@ -140,9 +141,7 @@ def _moe_swiglu_split_kernel(h_ptr, stride_h_split, stride_h, off_ptr, aq_ptr, s
         for s in tl.static_range(SPLIT):
             g += tl.load(row + s * stride_h_split + c, mask=ok, other=0.0)
             u += tl.load(row + s * stride_h_split + N + c, mask=ok, other=0.0)
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        a = tl.where(ok, g * tl.sigmoid(alpha * g) * (u + 1.0), 0.0)
+        a = tl.where(ok, swiglu_oai(g, u, alpha, limit), 0.0)
         if F16:
             a = to_k_order(a)  # within 128-column groups: N still masks the same columns
             tl.store(aq_ptr + r.to(tl.int64) * stride_aq + c, a.to(tl.float16), mask=ok)
@@ -185,6 +184,14 @@ def to_k_order(v):
     within each 128 columns, column ``32q + 2j + b`` (``q < 4``, ``j < 16``, ``b < 2``) goes to
     ``8j + 2q + b``, the order in which wgmma's register operand hands a thread its columns."""
     return tl.reshape(tl.permute(tl.reshape(v, (v.numel // 128, 4, 16, 2)), (0, 2, 1, 3)), v.shape)
+
+
+@triton.jit
+def k_order_position(c):
+    """Where column ``c`` (int tensor) of a row goes in K order (``to_k_order``): within its 128
+    columns, ``32q + 2j + b`` -> ``8j + 2q + b``. For stores of a few columns of a row (the
+    fused SwiGLU epilogue), where ``to_k_order`` permutes whole 128-column groups."""
+    return (c // 128) * 128 + 8 * ((c % 32) // 2) + 2 * ((c % 128) // 32) + c % 2
 
 
 @triton.jit
@@ -312,20 +319,62 @@ def _k_cols(F16: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base, stride_h,
+                       m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BT: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
+                       ACT: tl.constexpr):
+    """Pairs ``[m0, min(m0 + BT, end))`` against a program's weight rows (``_gate_up_tiles``)."""
+    kk = _k_cols(F16)
+    rows = m0 + tl.arange(0, BT)
+    r_ok = rows < end
+    pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
+    tok = tl.where(pair < TK, pair // K, pair - TK)
+    b_base = xq_ptr + tok[None, :].to(tl.int64) * stride_xq_t + kk[:, None]
+    acc = _rows_product(w_base, s_base, b_base, stride_xq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BT, DOT_F32,
+                        F16)
+    if ACT:
+        HALF: tl.constexpr = BLOCK_N // 2
+        g, u = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BT)), (1, 2, 0)))
+        tl.store(h_base + rows.to(tl.int64)[None, :] * stride_h + k_order_position(cols)[:, None],
+                 swiglu_oai(g, u, alpha, limit).to(tl.float16), mask=r_ok[None, :] & (cols < N // 2)[:, None])
+    else:
+        if not F16:  # undo the row split's scale
+            acc = acc * tl.load(fx_ptr + tok, mask=r_ok, other=0.0)[None, :]
+        tl.store(h_base + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None], acc,
+                 mask=r_ok[None, :] & (offs_n < N)[:, None])
+
+
+@triton.jit
 def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn, s_ptr, stride_sn, sorted_ptr,
-                   h_ptr, stride_h_split, stride_h, start, end, N, TK, H, k_per_split,
+                   h_ptr, stride_h_split, stride_h, start, end, N, TK, H, k_per_split, alpha, limit,
                    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr,
-                   F16: tl.constexpr):
+                   F16: tl.constexpr, ACT: tl.constexpr, TAIL_T: tl.constexpr):
     """N-tile ``j % n_tiles`` of one expert's ``N`` gate/up rows over the pair tiles of
     ``[start, end)`` that fall to this program (an expert with fewer N-tiles than the grid
-    hands its spare programs pair tiles, as in ``moe._gate_up_tiles``)."""
+    hands its spare programs pair tiles, as in ``moe._gate_up_tiles``). ``TAIL_T`` (0: off): a
+    tile of at most that many pairs left runs as a ``TAIL_T``-pair tile (an expert's last few
+    pairs past a full tile no longer cost a full tile's dots).
+
+    ``ACT`` (the f16 form, K unsplit): the tile's first half is gate rows ``c``, its second the
+    matching up rows ``N / 2 + c``, and the epilogue stores SwiGLU-OAI of the sums as the f16
+    activation in K order (``h_ptr`` the activation ``[P + T, >= N / 2]``): the same fp32 sums
+    and maths as ``_moe_swiglu_split_kernel`` reading them back, without the fp32
+    pre-activations' round trip through memory or a launch of its own."""
     j = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
     groups = tl.num_programs(1) // n_tiles
     grp = j // n_tiles
     m_lo = tl.where(grp < groups, start + grp * BLOCK_T, end)
     offs_n = (j % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ld = offs_n % N  # a partial last tile re-reads valid rows (discarded) instead of masking
+    if ACT:
+        HALF: tl.constexpr = BLOCK_N // 2
+        cols = (j % n_tiles) * HALF + tl.arange(0, HALF)  # activation columns: gate rows, and up rows N / 2 on
+        r = tl.arange(0, BLOCK_N)
+        # a partial last tile re-reads valid rows (discarded) instead of masking
+        n_ld = ((j % n_tiles) * HALF + r % HALF) % (N // 2) + (r // HALF) * (N // 2)
+    else:
+        cols = offs_n
+        n_ld = offs_n % N  # a partial last tile re-reads valid rows (discarded) instead of masking
     kk = _k_cols(F16)
     k_beg = tl.multiple_of(tl.program_id(2) * k_per_split, 128)
     k_end = tl.minimum(H, k_beg + k_per_split)
@@ -333,39 +382,64 @@ def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn
     s_base = s_ptr + n_ld[:, None].to(tl.int64) * stride_sn
     h_base = h_ptr + tl.program_id(2) * stride_h_split
     for m0 in range(m_lo, end, groups * BLOCK_T):
-        rows = m0 + tl.arange(0, BLOCK_T)
-        r_ok = rows < end
-        pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
-        tok = tl.where(pair < TK, pair // K, pair - TK)
-        b_base = xq_ptr + tok[None, :].to(tl.int64) * stride_xq_t + kk[:, None]
-        acc = _rows_product(w_base, s_base, b_base, stride_xq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
-                            DOT_F32, F16)
-        if not F16:  # undo the row split's scale
-            acc = acc * tl.load(fx_ptr + tok, mask=r_ok, other=0.0)[None, :]
-        tl.store(h_base + rows.to(tl.int64)[None, :] * stride_h + offs_n[:, None], acc,
-                 mask=r_ok[None, :] & (offs_n < N)[:, None])
+        if TAIL_T > 0:
+            if end - m0 <= TAIL_T:
+                _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base,
+                                   stride_h, m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K, BLOCK_N,
+                                   TAIL_T, DOT_F32, F16, ACT)
+            else:
+                _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base,
+                                   stride_h, m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K, BLOCK_N,
+                                   BLOCK_T, DOT_F32, F16, ACT)
+        else:
+            _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base,
+                               stride_h, m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K, BLOCK_N,
+                               BLOCK_T, DOT_F32, F16, ACT)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _moe_mma_gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
                     w13_ptr, stride_w13_e, stride_w13_n, s13_ptr, stride_s13_e, stride_s13_n,
                     sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
-                    sorted_ptr, off_ptr, h_ptr, stride_h_split, stride_h, T, H, I, IS, k_per_split,
+                    sorted_ptr, off_ptr, h_ptr, stride_h_split, stride_h, T, H, I, IS, k_per_split, alpha, limit,
                     K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                    DOT_F32: tl.constexpr, F16: tl.constexpr = False):
-    """``h[s, pos, n]`` for expert ``program_id(0)`` (``E``: the shared expert)."""
+                    DOT_F32: tl.constexpr, F16: tl.constexpr = False, ACT: tl.constexpr = False,
+                    TAIL_T: tl.constexpr = 0):
+    """``h[s, pos, n]`` for expert ``program_id(0)`` (``E``: the shared expert), or with ``ACT``
+    the activation ``h[pos, c]`` (``_gate_up_tiles``)."""
     e = tl.program_id(0)
     start = tl.load(off_ptr + e)
     end = tl.load(off_ptr + e + 1)
     if e < E:
         _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w13_ptr + e.to(tl.int64) * stride_w13_e,
                        stride_w13_n, s13_ptr + e.to(tl.int64) * stride_s13_e, stride_s13_n, sorted_ptr, h_ptr,
-                       stride_h_split, stride_h, start, end, 2 * I, T * K, H, k_per_split, K, BLOCK_N, BLOCK_T,
-                       DOT_F32, F16)
+                       stride_h_split, stride_h, start, end, 2 * I, T * K, H, k_per_split, alpha, limit, K, BLOCK_N,
+                       BLOCK_T, DOT_F32, F16, ACT, TAIL_T)
     else:
         _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
-                       sorted_ptr, h_ptr, stride_h_split, stride_h, start, end, 2 * IS, T * K, H, k_per_split, K,
-                       BLOCK_N, BLOCK_T, DOT_F32, F16)
+                       sorted_ptr, h_ptr, stride_h_split, stride_h, start, end, 2 * IS, T * K, H, k_per_split, alpha,
+                       limit, K, BLOCK_N, BLOCK_T, DOT_F32, F16, ACT, TAIL_T)
+
+
+@triton.jit
+def _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr, y_base,
+                    stride_y, m0, end, TK, H, k_beg, k_end, offs_h, BLOCK_N: tl.constexpr, BT: tl.constexpr,
+                    DOT_F32: tl.constexpr, F16: tl.constexpr):
+    """Pairs ``[m0, min(m0 + BT, end))`` against a program's down rows (``_moe_mma_down_kernel``)."""
+    kk = _k_cols(F16)
+    rows = m0 + tl.arange(0, BT)
+    r_ok = rows < end
+    pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
+    is_routed = pair < TK
+    wt = tl.where(is_routed, tl.load(topk_w_ptr + pair, mask=r_ok & is_routed, other=0.0), 1.0)
+    b_base = aq_ptr + rows.to(tl.int64)[None, :] * stride_aq + kk[:, None]
+    acc = _rows_product(w_base, s_base, b_base, stride_aq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BT, DOT_F32,
+                        F16)
+    if not F16:  # undo the row split's scale
+        wt = wt * tl.load(fa_ptr + rows, mask=r_ok, other=0.0)
+    acc = acc * wt[None, :]
+    tl.store(y_base + rows.to(tl.int64)[None, :] * stride_y + offs_h[:, None], acc,
+             mask=r_ok[None, :] & (offs_h < H)[:, None])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -374,9 +448,10 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                  sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h,
                  topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y_split, stride_y, T, H, I, IS, k_per_split,
                  K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                 DOT_F32: tl.constexpr, F16: tl.constexpr = False):
+                 DOT_F32: tl.constexpr, F16: tl.constexpr = False, TAIL_T: tl.constexpr = 0):
     """``y[s, pos, h] = w_pair * fa[pos] * sum_k W2_e[h, k] aq[pos, k]`` over K-range ``s`` of
-    the expert's I (Is for the shared expert, whose pairs weigh 1), one H-tile."""
+    the expert's I (Is for the shared expert, whose pairs weigh 1), one H-tile; ``TAIL_T`` as
+    ``_gate_up_tiles``'."""
     e = tl.program_id(0)
     start = tl.load(off_ptr + e)
     end = tl.load(off_ptr + e + 1)
@@ -390,21 +465,20 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
     k_end = tl.minimum(KD, k_beg + k_per_split)  # may be empty (the shared expert's short K): zeros
     w_base = w_ptr + h_ld[:, None].to(tl.int64) * stride_wh + kk[None, :]
     s_base = s_ptr + h_ld[:, None].to(tl.int64) * stride_sh
-    TK = T * K
+    y_base = y_ptr + tl.program_id(2) * stride_y_split
     for m0 in range(start, end, BLOCK_T):
-        rows = m0 + tl.arange(0, BLOCK_T)
-        r_ok = rows < end
-        pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
-        is_routed = pair < TK
-        wt = tl.where(is_routed, tl.load(topk_w_ptr + pair, mask=r_ok & is_routed, other=0.0), 1.0)
-        b_base = aq_ptr + rows.to(tl.int64)[None, :] * stride_aq + kk[:, None]
-        acc = _rows_product(w_base, s_base, b_base, stride_aq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BLOCK_T,
-                            DOT_F32, F16)
-        if not F16:  # undo the row split's scale
-            wt = wt * tl.load(fa_ptr + rows, mask=r_ok, other=0.0)
-        acc = acc * wt[None, :]
-        tl.store(y_ptr + tl.program_id(2) * stride_y_split + rows.to(tl.int64)[None, :] * stride_y + offs_h[:, None],
-                 acc, mask=r_ok[None, :] & (offs_h < H)[:, None])
+        if TAIL_T > 0:
+            if end - m0 <= TAIL_T:
+                _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr,
+                                y_base, stride_y, m0, end, T * K, H, k_beg, k_end, offs_h, BLOCK_N, TAIL_T, DOT_F32,
+                                F16)
+            else:
+                _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr,
+                                y_base, stride_y, m0, end, T * K, H, k_beg, k_end, offs_h, BLOCK_N, BLOCK_T, DOT_F32,
+                                F16)
+        else:
+            _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr, y_base,
+                            stride_y, m0, end, T * K, H, k_beg, k_end, offs_h, BLOCK_N, BLOCK_T, DOT_F32, F16)
 
 
 def _k_per_split(k: int, split: int) -> int:
@@ -415,12 +489,16 @@ def _k_per_split(k: int, split: int) -> int:
 def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
                     scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
                     sorted_pairs: Tensor, K: int, block_n: int, block_t: int, split: int, num_stages: int,
-                    f16: bool = False, num_warps: int = 4) -> Tensor:
+                    f16: bool = False, num_warps: int = 4, act_in_gate_up: bool = True, tail_t: int = 0) -> Tensor:
     """The per-pair expert outputs ``y [split, P + T, H]`` fp32 (weighted, splits unsummed) of the
     sorted pairs ``(off, sorted_pairs)`` of ``moe_align``; ``moe.fused_moe`` combines them.
     Shapes as ``moe.fused_moe``'s (checked there), fitting ``fits_fp8_mma``. ``f16``: the
     weights dequantised to f16 in registers against f16 rows (``_dequant_rows``; scales within
-    ``moe.scales_fit_f16``), instead of e4m3 dots on two-part rows."""
+    ``moe.scales_fit_f16``), instead of e4m3 dots on two-part rows; then with K unsplit (``split``
+    1) the gate/up kernel applies the activation in its epilogue, unless ``act_in_gate_up`` is
+    False (the SwiGLU kernel then reads the fp32 sums back: the same results, for the tests).
+    ``tail_t`` (0: off): an expert's last tile of at most that many pairs runs as a tile of
+    ``tail_t`` pairs, not ``block_t`` (``MoEConfig.mma_tail_t``)."""
     T, H = x.shape
     E, I = w13.shape[0], w13.shape[1] // 2
     Is = shared_gate_up.shape[0] // 2
@@ -433,22 +511,30 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
     else:
         xq, fx = split_rows(x)
     width = max(I, Is)
-    h = torch.empty(split, P + T, 2 * width, dtype=torch.float32, device=dev)
+    # the f16 form with K unsplit applies SwiGLU-OAI in the gate/up kernel's epilogue (``ACT``);
+    # K split over programs needs the splits' fp32 sums first, in the SwiGLU kernel
+    act = f16 and split == 1 and act_in_gate_up
+    if act:
+        aq = torch.empty(1, P + T, width, dtype=torch.float16, device=dev)
+        out, fa = aq[0], fx  # fa unread
+    else:
+        out = torch.empty(split, P + T, 2 * width, dtype=torch.float32, device=dev)
     _moe_mma_gate_up_kernel[(E + 1, triton.cdiv(2 * width, block_n), split)](
         xq, xq.stride(0), xq.stride(1), fx,
         w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0),
-        sorted_pairs, off, h, h.stride(0), h.stride(1), T, H, I, Is, _k_per_split(H, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=num_warps,
-        num_stages=num_stages)
-    aq, fa = swiglu_split(h, off, E, I, Is, alpha, limit, f16)
+        sorted_pairs, off, out, out.stride(0) if not act else 0, out.stride(-2), T, H, I, Is, _k_per_split(H, split),
+        float(alpha), float(limit), K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, ACT=act,
+        TAIL_T=tail_t, num_warps=num_warps, num_stages=num_stages)
+    if not act:
+        aq, fa = swiglu_split(out, off, E, I, Is, alpha, limit, f16)
     y = torch.empty(split, P + T, H, dtype=torch.float32, device=dev)
     _moe_mma_down_kernel[(E + 1, triton.cdiv(H, block_n), split)](
         aq, aq.stride(0), aq.stride(1), fa,
         w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0),
         topk_w, sorted_pairs, off, y, y.stride(0), y.stride(1), T, H, I, Is, _k_per_split(width, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, num_warps=num_warps,
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, TAIL_T=tail_t, num_warps=num_warps,
         num_stages=num_stages)
     return y
 

@@ -31,6 +31,7 @@ import triton.language as tl
 from attention.kernels.pdl import grid_dependency, pdl_launch
 from attention.kernels.triton_utils import next_pow2
 
+from .activation import swiglu_oai
 from .fp8_gemv import gemv_rows
 from .fp8_tiles import scale_words
 
@@ -126,9 +127,7 @@ def _moe_gemv_gate_up_kernel(x_ptr, stride_x, w13_ptr, stride_w13_e, stride_w13_
 def _store_act(acc, ptrs, mask, alpha, limit, HALF: tl.constexpr):
     """SwiGLU-OAI of interleaved (gate, up) sums ``acc [2 * HALF]``, stored at ``ptrs [HALF]``."""
     g, u = tl.split(tl.reshape(acc, (HALF, 2)))
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    tl.store(ptrs, (g * tl.sigmoid(alpha * g) * (u + 1.0)).to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs, swiglu_oai(g, u, alpha, limit).to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T"])
