@@ -48,8 +48,6 @@ against, and the CPU path.
 
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -251,7 +249,7 @@ def _mma_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
         if not f16:
             return []
         prefill = MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3)
-        return [prefill, dataclasses.replace(prefill, mma_num_stages=4, mma_tail_t=32)]
+        return [prefill, replace(prefill, mma_num_stages=4, mma_tail_t=32)]
     return [MoEConfig(fp8_mma=True, mma_block_n=64, mma_block_t=16, mma_split=split, mma_num_stages=4)
             for split in (1, 2, 4)]
 
