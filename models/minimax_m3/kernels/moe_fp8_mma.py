@@ -450,8 +450,8 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                  K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                  DOT_F32: tl.constexpr, F16: tl.constexpr = False, TAIL_T: tl.constexpr = 0):
     """``y[s, pos, h] = w_pair * fa[pos] * sum_k W2_e[h, k] aq[pos, k]`` over K-range ``s`` of
-    the expert's I (Is for the shared expert, whose pairs weigh 1), one H-tile; ``TAIL_T`` as
-    ``_gate_up_tiles``'."""
+    the expert's I (Is for the shared expert, whose pairs weigh 1), one H-tile; ``TAIL_T`` as in
+    ``_gate_up_tiles``."""
     e = tl.program_id(0)
     start = tl.load(off_ptr + e)
     end = tl.load(off_ptr + e + 1)
