@@ -300,10 +300,9 @@ def test_fp8_mma_kernels_compile_for_hopper():
                ["alpha", "limit"], 8, 1]]
     f16 = moe._mma_candidates(1054, f16=True) + [dataclasses.replace(c, mma_f16=True) for c in moe._mma_candidates(1)]
     f16 += [dataclasses.replace(f16[0], mma_tail_t=16)]  # a second, smaller tile for an expert's last pairs
-    tail = lambda c: c.mma_tail_t if c.mma_tail_t < c.mma_block_t else 0  # noqa: E731 (the kernel's TAIL_T)
     # with K unsplit the gate/up kernel stores the f16 activation (ACT: the SwiGLU in its epilogue)
-    act = {"_moe_mma_gate_up_kernel": lambda c: {"ACT": c.mma_split == 1, "TAIL_T": tail(c)},
-           "_moe_mma_down_kernel": lambda c: {"TAIL_T": tail(c)}}
+    act = {"_moe_mma_gate_up_kernel": lambda c: {"ACT": c.mma_split == 1, "TAIL_T": c.mma_tail_tile},
+           "_moe_mma_down_kernel": lambda c: {"TAIL_T": c.mma_tail_tile}}
     cases += [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
                       "DOT_F32": False, "F16": True, **act[k](c)},
                dict(ptrs, xq_ptr="fp16", aq_ptr="fp16", h_ptr="fp16" if c.mma_split == 1 else "fp32"),

@@ -153,6 +153,12 @@ class MoEConfig:
     gemv_num_warps: int = 2
     gemv_num_stages: int = 3
 
+    @property
+    def mma_tail_tile(self) -> int:
+        """The pairs of an expert's smaller last tile as the ``fp8_mma`` kernels take it
+        (``TAIL_T``): ``mma_tail_t`` where below ``mma_block_t``, else 0 (no smaller tile)."""
+        return self.mma_tail_t if self.mma_tail_t < self.mma_block_t else 0
+
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_m", "gu_block_n", "gu_block_n_shared", "gu_block_k", "down_block_h",
                                  "down_block_k"))
@@ -634,8 +640,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
-                            cfg.mma_f16, cfg.mma_num_warps,
-                            tail_t=cfg.mma_tail_t if cfg.mma_tail_t < cfg.mma_block_t else 0)
+                            cfg.mma_f16, cfg.mma_num_warps, tail_t=cfg.mma_tail_tile)
     elif gemv:
         y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                          sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)
