@@ -33,7 +33,7 @@ def run_compile_reports(cases):
 
 def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[str, str] | None = None,
                    float_args: tuple[str, ...] = (), num_warps: int = 4, num_stages: int = 3,
-                   arch: int = 90) -> dict:
+                   arch: int = 90, max_regs: int | None = None) -> dict:
     """Compile ``module.kernel`` for CUDA compute capability ``arch`` without a GPU and report
     its resources: ``{"shared": bytes, "regs": n, "spill_bytes": n, "wgmma": bool, "fp8_wgmma": bool,
     "wgmma_reg_a": bool, "ldmatrix": bool, "cp_async": bool, "k_loop_loads": n,
@@ -54,7 +54,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
     branches binding one name to different shapes). Argument types: ``*_ptr`` are pointers
     (``ptr_dtypes[name]``, default bf16), ``float_args`` are fp32, other non-constexpr
     arguments int32; pointers, strides and ``page_size`` are assumed 16-divisible, as at real
-    launches. Must run where ``TRITON_INTERPRET`` is off (the tests use a subprocess).
+    launches; ``max_regs``: Triton's ``maxnreg`` (a per-thread register cap). Must run where
+    ``TRITON_INTERPRET`` is off (the tests use a subprocess).
     """
     import importlib
     import inspect
@@ -84,7 +85,8 @@ def compile_report(module: str, kernel: str, constexprs: dict, ptr_dtypes: dict[
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           **({"maxnreg": max_regs} if max_regs else {})))
     ptx = compiled.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:

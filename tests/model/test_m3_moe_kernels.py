@@ -322,6 +322,30 @@ def test_fp8_mma_kernels_compile_for_hopper():
                and 65536 // (r["regs"] * 128) >= 2 for r in rest), rest
 
 
+def test_register_cap_fits_three_prefill_programs_per_sm():
+    """``MoEConfig.mma_max_regs``: the f16 form's GEMMs at the prefill tiles (64 x 64, 32-pair
+    last tiles, 3 stages) compiled for Hopper take more than 168 registers a thread (two
+    programs an SM); capped at 168 (a few bytes spilled, checked by the helper) three programs
+    fit an SM's registers and, at 3 stages, its 228 KB of shared memory (1 KB reserved each)."""
+    M = "models.minimax_m3.kernels.moe_fp8_mma"
+    cfg = moe.MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3, mma_tail_t=32,
+                        mma_max_regs=168)
+    ptrs = {"xq_ptr": "fp16", "aq_ptr": "fp16", "fx_ptr": "fp32", "fa_ptr": "fp32", "w13_ptr": "fp8e4nv",
+            "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv", "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32",
+            "s2_ptr": "i32", "ssd_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32", "h_ptr": "fp16",
+            "y_ptr": "fp32", "topk_w_ptr": "fp32"}
+    kernels = {"_moe_mma_gate_up_kernel": ({"ACT": True}, ["alpha", "limit"]), "_moe_mma_down_kernel": ({}, [])}
+    cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": cfg.mma_block_n, "BLOCK_T": cfg.mma_block_t,
+                     "DOT_F32": False, "F16": True, "TAIL_T": cfg.mma_tail_tile, **extra}, ptrs, floats,
+              cfg.mma_num_warps, cfg.mma_num_stages, 90, regs]
+             for regs in (None, cfg.mma_max_regs) for k, (extra, floats) in kernels.items()]
+    reports = run_compile_reports(cases)
+    free, capped = reports[:2], reports[2:]
+    assert all(r["regs"] > 168 for r in free), free
+    assert all(r["regs"] <= 168 and 65536 // (r["regs"] * 128) >= 3 and 3 * (r["shared"] + 1024) <= 228 * 1024
+               for r in capped), capped
+
+
 def test_k_order_kernels_compile_for_hopper():
     """The f16 form's row kernels at the real shapes: x to f16 in K order, and the SwiGLU store in
     K order (a permutation in registers; compiled without spills)."""
@@ -665,6 +689,9 @@ def test_fp8_mma_tail_tiles_track_the_dequantized_weights(T):
         assert rel_err(outs[0], outs[1]) < 1e-5, (f16, block_t)  # the same sums, in smaller dots
     with pytest.raises(ValueError, match="mma_tail_t must be one of 8, 16, 32, 64, 128"):
         moe.MoEConfig(fp8_mma=True, mma_tail_t=24)
+    for regs in (32, 256):
+        with pytest.raises(ValueError, match=r"mma_max_regs must be in 64\.\.255"):
+            moe.MoEConfig(fp8_mma=True, mma_max_regs=regs)
 
 
 @pytest.mark.parametrize("T", [5, 100])
@@ -700,7 +727,8 @@ def test_f16_form_activation_in_the_gate_up_epilogue_equals_the_swiglu_kernel(T)
 def test_cuda_f16_epilogue_activation_is_bit_identical_at_real_shapes(T):
     """Rank-of-8 shapes, router-like routing: the activation in the gate/up epilogue gives the
     per-pair outputs of the SwiGLU kernel reading the fp32 sums back, bit for bit; with smaller
-    tiles for each expert's last pairs (``tail_t``) the same within rounding."""
+    tiles for each expert's last pairs (``tail_t``) the same within rounding; with the GEMMs'
+    registers capped at 168 (``max_regs``: some spilled) bit for bit the uncapped results."""
     from models.minimax_m3.kernels.moe_align import moe_align
     from models.minimax_m3.kernels.moe_fp8_mma import experts_fp8_mma
 
@@ -718,6 +746,9 @@ def test_cuda_f16_epilogue_activation_is_bit_identical_at_real_shapes(T):
             y = experts_fp8_mma(pb.x, pb.w, *w8, tuple(scales), ALPHA, LIMIT, off, sorted_pairs, pb.K, block_n,
                                 block_t, 1, 3, f16=True, num_warps=warps, tail_t=tail_t)
             assert rel_err(y[:, :n], ys[0][:, :n]) < 1e-5, (block_n, tail_t)
+            capped = experts_fp8_mma(pb.x, pb.w, *w8, tuple(scales), ALPHA, LIMIT, off, sorted_pairs, pb.K, block_n,
+                                     block_t, 1, 3, f16=True, num_warps=warps, tail_t=tail_t, max_regs=168)
+            assert torch.equal(capped[:, :n], y[:, :n]), (block_n, tail_t)
 
 
 @triton.jit

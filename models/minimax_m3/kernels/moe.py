@@ -124,6 +124,12 @@ class MoEConfig:
             most that many pairs runs as a tile of that size (with ~66 pairs per routed expert
             in a 1054-token step, 64-pair tiles leave a tail of a few pairs that a full tile's
             dots would pad to 64); at or above ``mma_block_t`` (the default) no smaller tile.
+        mma_max_regs: with ``fp8_mma``, a cap on each thread's registers in its two GEMM
+            kernels (Triton's ``maxnreg``; 255, the default: no cap below the hardware's). The
+            f16 form at 64 x 64 tiles takes 216-244 registers, two 128-thread programs an SM;
+            capped at 168, three fit the SM's 64K registers (and at 3 stages its shared memory)
+            with a few bytes spilled. Not offered to the tuner yet: untimed (BENCHMARKS.md,
+            MXFP8 twelfth round).
     """
 
     block_m: int = 16
@@ -147,6 +153,7 @@ class MoEConfig:
     mma_num_warps: int = 4
     mma_f16: bool = False
     mma_tail_t: int = 128
+    mma_max_regs: int = 255
     gemv: bool = False
     gemv_block_n: int = 4
     gemv_block_k: int = 512
@@ -173,6 +180,8 @@ class MoEConfig:
         if self.mma_tail_t not in (8, 16, 32, 64, 128):
             raise ValueError(f"MoEConfig.mma_tail_t must be one of 8, 16, 32, 64, 128 (at or above mma_block_t: no "
                              f"smaller last tile), got {self.mma_tail_t}")
+        if not 64 <= self.mma_max_regs <= 255:
+            raise ValueError(f"MoEConfig.mma_max_regs must be in 64..255 (255: no cap), got {self.mma_max_regs}")
         if self.mma_f16 and not self.fp8_mma:
             raise ValueError("MoEConfig.mma_f16 is a form of the fp8_mma tiles: set fp8_mma=True too")
         if self.gemv_block_n < 2 or self.gemv_block_n & (self.gemv_block_n - 1) or self.gemv_block_k < 128 \
@@ -640,7 +649,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
-                            cfg.mma_f16, cfg.mma_num_warps, tail_t=cfg.mma_tail_tile)
+                            cfg.mma_f16, cfg.mma_num_warps, tail_t=cfg.mma_tail_tile, max_regs=cfg.mma_max_regs)
     elif gemv:
         y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                          sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)

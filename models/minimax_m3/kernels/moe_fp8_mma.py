@@ -489,7 +489,8 @@ def _k_per_split(k: int, split: int) -> int:
 def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
                     scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
                     sorted_pairs: Tensor, K: int, block_n: int, block_t: int, split: int, num_stages: int,
-                    f16: bool = False, num_warps: int = 4, act_in_gate_up: bool = True, tail_t: int = 0) -> Tensor:
+                    f16: bool = False, num_warps: int = 4, act_in_gate_up: bool = True, tail_t: int = 0,
+                    max_regs: int = 255) -> Tensor:
     """The per-pair expert outputs ``y [split, P + T, H]`` fp32 (weighted, splits unsummed) of the
     sorted pairs ``(off, sorted_pairs)`` of ``moe_align``; ``moe.fused_moe`` combines them.
     Shapes as ``moe.fused_moe``'s (checked there), fitting ``fits_fp8_mma``. ``f16``: the
@@ -498,7 +499,9 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
     1) the gate/up kernel applies the activation in its epilogue, unless ``act_in_gate_up`` is
     False (the SwiGLU kernel then reads the fp32 sums back: the same results, for the tests).
     ``tail_t`` (0: off): an expert's last tile of at most that many pairs runs as a tile of
-    ``tail_t`` pairs, not ``block_t`` (``MoEConfig.mma_tail_t``)."""
+    ``tail_t`` pairs, not ``block_t`` (``MoEConfig.mma_tail_t``). ``max_regs`` (255: none): the
+    two GEMM kernels' register cap per thread (``MoEConfig.mma_max_regs``; the interpreter has no
+    registers to cap)."""
     T, H = x.shape
     E, I = w13.shape[0], w13.shape[1] // 2
     Is = shared_gate_up.shape[0] // 2
@@ -514,6 +517,9 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
     # the f16 form with K unsplit applies SwiGLU-OAI in the gate/up kernel's epilogue (``ACT``);
     # K split over programs needs the splits' fp32 sums first, in the SwiGLU kernel
     act = f16 and split == 1 and act_in_gate_up
+    launch: dict[str, int] = dict(num_warps=num_warps, num_stages=num_stages)
+    if max_regs < 255 and not interpreting():
+        launch["maxnreg"] = max_regs
     if act:
         aq = torch.empty(1, P + T, width, dtype=torch.float16, device=dev)
         out, fa = aq[0], fx  # fa unread
@@ -525,7 +531,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0),
         sorted_pairs, off, out, out.stride(0) if not act else 0, out.stride(-2), T, H, I, Is, _k_per_split(H, split),
         float(alpha), float(limit), K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, ACT=act,
-        TAIL_T=tail_t, num_warps=num_warps, num_stages=num_stages)
+        TAIL_T=tail_t, **launch)
     if not act:
         aq, fa = swiglu_split(out, off, E, I, Is, alpha, limit, f16)
     y = torch.empty(split, P + T, H, dtype=torch.float32, device=dev)
@@ -534,8 +540,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0),
         topk_w, sorted_pairs, off, y, y.stride(0), y.stride(1), T, H, I, Is, _k_per_split(width, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, TAIL_T=tail_t, num_warps=num_warps,
-        num_stages=num_stages)
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, TAIL_T=tail_t, **launch)
     return y
 
 
