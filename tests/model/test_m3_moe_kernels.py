@@ -280,18 +280,24 @@ def test_kernels_compile_for_hopper():
     assert moe.default_moe_config(1054).block_m >= 64
 
 
+# argument types of moe_fp8_mma's kernels for the compile tests (the e4m3 form's; the f16 form
+# takes f16 rows: xq_ptr, aq_ptr and, with the activation in the gate/up epilogue, h_ptr)
+MMA_PTRS = {"xq_ptr": "fp8e4nv", "aq_ptr": "fp8e4nv", "fx_ptr": "fp32", "fa_ptr": "fp32", "w13_ptr": "fp8e4nv",
+            "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv", "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32",
+            "s2_ptr": "i32", "ssd_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32", "h_ptr": "fp32",
+            "y_ptr": "fp32", "topk_w_ptr": "fp32", "v_ptr": "bf16", "q_ptr": "fp8e4nv", "f_ptr": "fp32"}
+MMA_FLOATS = {"_moe_mma_gate_up_kernel": ["alpha", "limit"], "_moe_mma_down_kernel": []}
+
+
 def test_fp8_mma_kernels_compile_for_hopper():
     """The fp8 tensor-core path at the real shapes: e4m3 wgmma on the weights as stored, loads
     through asynchronous copies, and the one plain load per K loop (per expert branch) the
     scale words prefetched a step ahead; at least 3 programs fit an SM at decode (the
     dequantising path's 238 registers allowed 2)."""
-    ptrs = {"xq_ptr": "fp8e4nv", "aq_ptr": "fp8e4nv", "fx_ptr": "fp32", "fa_ptr": "fp32", "w13_ptr": "fp8e4nv",
-            "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv", "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32",
-            "s2_ptr": "i32", "ssd_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32", "h_ptr": "fp32",
-            "y_ptr": "fp32", "topk_w_ptr": "fp32", "v_ptr": "bf16", "q_ptr": "fp8e4nv", "f_ptr": "fp32"}
+    ptrs = MMA_PTRS
     M = "models.minimax_m3.kernels.moe_fp8_mma"
     configs = moe._mma_candidates(1) + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64, mma_num_stages=3)]
-    floats = {"_moe_mma_gate_up_kernel": ["alpha", "limit"], "_moe_mma_down_kernel": []}
+    floats = MMA_FLOATS
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
                      "DOT_F32": False, "F16": False}, ptrs, floats[k], 4, c.mma_num_stages]
              for c in configs for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
@@ -330,15 +336,12 @@ def test_register_cap_fits_three_prefill_programs_per_sm():
     M = "models.minimax_m3.kernels.moe_fp8_mma"
     cfg = moe.MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3, mma_tail_t=32,
                         mma_max_regs=168)
-    ptrs = {"xq_ptr": "fp16", "aq_ptr": "fp16", "fx_ptr": "fp32", "fa_ptr": "fp32", "w13_ptr": "fp8e4nv",
-            "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv", "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32",
-            "s2_ptr": "i32", "ssd_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32", "h_ptr": "fp16",
-            "y_ptr": "fp32", "topk_w_ptr": "fp32"}
-    kernels = {"_moe_mma_gate_up_kernel": ({"ACT": True}, ["alpha", "limit"]), "_moe_mma_down_kernel": ({}, [])}
+    ptrs = dict(MMA_PTRS, xq_ptr="fp16", aq_ptr="fp16", h_ptr="fp16")
+    act = {"_moe_mma_gate_up_kernel": {"ACT": True}, "_moe_mma_down_kernel": {}}
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": cfg.mma_block_n, "BLOCK_T": cfg.mma_block_t,
-                     "DOT_F32": False, "F16": True, "TAIL_T": cfg.mma_tail_tile, **extra}, ptrs, floats,
+                     "DOT_F32": False, "F16": True, "TAIL_T": cfg.mma_tail_tile, **act[k]}, ptrs, MMA_FLOATS[k],
               cfg.mma_num_warps, cfg.mma_num_stages, 90, regs]
-             for regs in (None, cfg.mma_max_regs) for k, (extra, floats) in kernels.items()]
+             for regs in (None, cfg.mma_max_regs) for k in act]
     reports = run_compile_reports(cases)
     free, capped = reports[:2], reports[2:]
     assert all(r["regs"] > 168 for r in free), free
