@@ -104,6 +104,8 @@ class M3Attention(nn.Module):
         inputs.ops.norm_rope_write(qkv, inputs.positions, inputs.inv_freq, inputs.slot_mapping, self.layout,
                                    self.head_norms(), inputs.cache, self.layer, q, iq)
         # Rows the attention op leaves untouched (padding) must not carry garbage into o_proj.
+        # (Cleared by the producer's programs instead of this fill: no faster, BENCHMARKS.md,
+        # MXFP8 thirteenth round.)
         out = inputs.buffers.view("attn_out", t).zero_()
         if self.sparse:
             inputs.backend.sparse(self.layer, q, iq, out)

@@ -128,8 +128,10 @@ class MoEConfig:
             kernels (Triton's ``maxnreg``; 255, the default: no cap below the hardware's). The
             f16 form at 64 x 64 tiles takes 216-244 registers, two 128-thread programs an SM;
             capped at 168, three fit the SM's 64K registers (and at 3 stages its shared memory)
-            with a few bytes spilled. Not offered to the tuner yet: untimed (BENCHMARKS.md,
-            MXFP8 twelfth round).
+            with a few bytes spilled. Not offered to the tuner: slower (H100, T=1054, per MoE
+            layer: 568.1 us at 3 stages capped, gate/up 5% faster and down 8% slower than
+            uncapped, against 549.9 for the tuner's 4-stage choice; BENCHMARKS.md, MXFP8
+            thirteenth round).
     """
 
     block_m: int = 16

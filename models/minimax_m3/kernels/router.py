@@ -25,6 +25,10 @@ Kernels:
   (``routing_sim``), and at decode sizes its last program can align the pairs for the fused MoE
   (``moe_align``): two launches a real step would otherwise add (H100, 30 layers: top-k,
   simulation and align 6.3 -> 5.0 us per MoE layer at decode 1, 7.4 -> 6.0 at decode 32).
+  Not kept: the add + RMSNorm before the router made inside the GEMV at one or two tokens
+  (each program summing its row's squares): with PDL off the norm's 2.4 us a layer went and
+  the GEMV and top-k took 0.5 us longer; with PDL no shorter graph span (H100, 60 layers;
+  ``benchmarks/results/decode_launches_r13/``).
 
 Both launches are graph-safe: no host syncs, ``num_real_tokens`` is read on the device, and
 the grids and the scratch size depend only on ``T`` and the weight shape.
