@@ -296,10 +296,14 @@ def test_fp8_mma_kernels_compile_for_hopper():
     dequantising path's 238 registers allowed 2)."""
     ptrs = MMA_PTRS
     M = "models.minimax_m3.kernels.moe_fp8_mma"
-    configs = moe._mma_candidates(1) + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64, mma_num_stages=3)]
+    decode_configs = moe._mma_candidates(1)
+    # the block-diagonal form (not offered to the tuner) at its two tile widths
+    diag = [moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=8, mma_num_stages=3),
+            moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=16)]
+    configs = decode_configs + diag + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64, mma_num_stages=3)]
     floats = MMA_FLOATS
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
-                     "DOT_F32": False, "F16": False}, ptrs, floats[k], 4, c.mma_num_stages]
+                     "DOT_F32": False, "F16": False, "DIAG": c.mma_diag}, ptrs, floats[k], 4, c.mma_num_stages]
              for c in configs for k in ("_moe_mma_gate_up_kernel", "_moe_mma_down_kernel")]
     cases += [[M, "_moe_split_rows_kernel", {"BLOCK": 8192}, ptrs, [], 8, 1],
               [M, "_moe_swiglu_split_kernel", {"E": REAL["E"], "SPLIT": 2, "BLOCK": 4096, "F16": False}, ptrs,
@@ -318,8 +322,10 @@ def test_fp8_mma_kernels_compile_for_hopper():
     gemms, rest = reports[:2 * len(configs)], reports[2 * len(configs) + 2:]
     assert all(r["fp8_wgmma"] and r["cp_async"] for r in gemms), gemms
     assert all(r["k_loop_loads"] == (2 if i % 2 == 0 else 1) for i, r in enumerate(gemms)), gemms
-    decode = gemms[: 2 * len(moe._mma_candidates(1))]
-    assert all(65536 // (r["regs"] * 128) >= 3 and r["shared"] <= 227 * 1024 // 3 for r in decode), decode
+    # at decode at least 3 programs an SM, 2 for the block-diagonal form (B's stage 4x wider)
+    fit = [3] * 2 * len(decode_configs) + [2] * 2 * len(diag)
+    decode = gemms[: len(fit)]
+    assert all(65536 // (r["regs"] * 128) >= n and r["shared"] <= 227 * 1024 // n for r, n in zip(decode, fit)), decode
     # f16 form: the dequantised weights are wgmma's register operand, straight from the layout the
     # weights leave shared memory in (no second trip through shared memory), read in K order as
     # 16-byte vectors (no one- or two-byte loads; the one ldmatrix left reads the scale words),
@@ -604,6 +610,27 @@ def test_fp8_mma_candidates_track_the_dequantized_weights(T):
         assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 3e-3), cfg
 
 
+@pytest.mark.parametrize("T", [5, 100])
+def test_fp8_mma_diag_equals_the_per_block_dots(T):
+    """``mma_diag`` (one K = 128 dot per step against the block-diagonal rows) computes the same
+    block products as the per-32-column dots, summed in another order: equal to them within
+    fp32 rounding, and as close to the dequantised twin. Tiles of 8 and 16 pairs, K split in 2,
+    a tail tile (T = 100: several pair tiles per expert)."""
+    pb = Problem(T, E=6, seed=90 + T, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32, **FP8_EVEN)
+    w8, scales, deq = quantized(pb)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    per_block = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=moe.MoEConfig(fp8_mma=True),
+                              scales=scales)
+    for t, sp, tail_t in ((16, 1, 128), (8, 2, 128), (16, 1, 8)):
+        cfg = moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=t, mma_split=sp, mma_tail_t=tail_t)
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert rel_err(out, per_block) < (1e-3 if DEV == "cuda" else 1e-5), cfg
+        assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 3e-3), cfg
+    with pytest.raises(ValueError, match="set one"):
+        moe.MoEConfig(fp8_mma=True, mma_f16=True, mma_diag=True)
+
+
 # ---- MXFP8 in the weight-row form (moe_gemv) -----------------------------------------------
 
 @pytest.mark.parametrize("T,hot", [(1, False), (2, False), (2, True), (7, True)], ids=["1", "2", "2-hot", "7-hot"])
@@ -784,9 +811,10 @@ def test_k_order_is_the_order_permute_k_writes():
         mma.permute_k(torch.zeros(2, 200))
 
 
-def test_mma_f16_is_a_form_of_the_fp8_mma_tiles():
-    with pytest.raises(ValueError, match="mma_f16 is a form of the fp8_mma tiles"):
-        moe.MoEConfig(mma_f16=True)
+@pytest.mark.parametrize("form", ["mma_f16", "mma_diag"])
+def test_mma_forms_need_the_fp8_mma_tiles(form):
+    with pytest.raises(ValueError, match=f"{form} is a form of the fp8_mma tiles"):
+        moe.MoEConfig(**{form: True})
 
 
 def test_fp8_mma_refuses_shapes_it_cannot_tile():
@@ -837,17 +865,20 @@ def test_cuda_moe_split_rows_kernel_equals_torch():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T,f16", [(1, False), (32, False), (200, True), (1, "gemv"), (2, "gemv")])
+@pytest.mark.parametrize("T,f16", [(1, False), (32, False), (32, "diag"), (200, True), (1, "gemv"), (2, "gemv")])
 def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
-    """A captured fp8 weight-row MoE (e4m3 dots, or ``f16`` dequantised) replays bit-identically
-    to eager runs of the same inputs, routing and x changed in place between replays (no
-    atomics, fixed orders)."""
+    """A captured fp8 weight-row MoE (e4m3 dots, block-diagonal ones, ``f16`` dequantised, or
+    the weight-row form) replays bit-identically to eager runs of the same inputs, routing and
+    x changed in place between replays (no atomics, fixed orders)."""
     pb = real_problem(T, seed=300 + T)
     gen = torch.Generator(device=DEV).manual_seed(T)
     pb.ids, pb.w = router_routing(T, pb.K, pb.E, 128, gen, DEV)
     w8, scales, _ = quantized(pb)
-    # decode: K split in 4, summed by the combine; or the weight-row form
-    cfg = moe._gemv_candidates(T)[0] if f16 == "gemv" else moe._mma_candidates(T, f16)[-1]
+    # decode: K split in 4, summed by the combine, or block-diagonal dots; or the weight-row form
+    if f16 == "diag":
+        cfg = moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=8, mma_num_stages=3)
+    else:
+        cfg = moe._gemv_candidates(T)[0] if f16 == "gemv" else moe._mma_candidates(T, f16)[-1]
     args = lambda: (pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT)  # noqa: E731
     out = pb.poisoned_out()
     moe.fused_moe(*args(), out, config=cfg, scales=scales)

@@ -177,6 +177,20 @@ def test_exact_tie_goes_to_lower_expert_id(T, config):
     torch.testing.assert_close(wts.double(), rw, rtol=1e-6, atol=1e-6)
 
 
+def test_nan_row_picks_no_expert_and_leaves_other_rows_alone():
+    """A token whose hidden state holds a NaN (every score NaN) is routed nowhere: no local or
+    global id, weight 0, and the other tokens' picks are unchanged."""
+    H, E, K, T = 64, 16, 4, 5
+    case = RouteCase(T, H, E, seed=31)
+    want = case.ref(K, 2.0, None, 0, E)
+    case.x[2, 7] = float("nan")
+    local, wts, glob = case.run(rk.route_triton, K, 2.0, None, 0, E)
+    assert (local[2] == -1).all() and (glob[2] == -1).all() and (wts[2] == 0).all()
+    rows = [0, 1, 3, 4]
+    assert torch.equal(glob[rows].long(), want[2][rows]) and torch.equal(local[rows].long(), want[0][rows])
+    torch.testing.assert_close(wts[rows].double(), want[1][rows], rtol=1e-6, atol=1e-6)
+
+
 def test_route_torch_matches_layers_route_and_fp64():
     H, E, K, T = 96, 16, 4, 7
     case = RouteCase(T, H, E, seed=21)

@@ -132,6 +132,15 @@ class MoEConfig:
             layer: 568.1 us at 3 stages capped, gate/up 5% faster and down 8% slower than
             uncapped, against 549.9 for the tuner's 4-stage choice; BENCHMARKS.md, MXFP8
             thirteenth round).
+        mma_diag: with ``fp8_mma`` (e4m3 dots), one dot of K = 128 per step against the pairs'
+            rows laid out block-diagonally (each pair four times, one copy per 32-column scale
+            block) instead of a dot per 32 columns, each waited for before its scaling: one wait
+            a step for four times the tensor-core work and B's shared memory
+            (``moe_fp8_mma._mma_rows_diag``). Kernels alone at T=32 (H100, 8-pair tiles, 3
+            stages): 169.3 us against 213.3 for the per-block dots, same error. Not offered to
+            the tuner yet: in 8-layer steps that offered it the tuner took it at decode 64 with
+            no change in the graph span beyond run-to-run noise, and at decode 32 kept the
+            dequantising tiles (BENCHMARKS.md, MXFP8 fourteenth round).
     """
 
     block_m: int = 16
@@ -156,6 +165,7 @@ class MoEConfig:
     mma_f16: bool = False
     mma_tail_t: int = 128
     mma_max_regs: int = 255
+    mma_diag: bool = False
     gemv: bool = False
     gemv_block_n: int = 4
     gemv_block_k: int = 512
@@ -184,8 +194,11 @@ class MoEConfig:
                              f"smaller last tile), got {self.mma_tail_t}")
         if not 64 <= self.mma_max_regs <= 255:
             raise ValueError(f"MoEConfig.mma_max_regs must be in 64..255 (255: no cap), got {self.mma_max_regs}")
-        if self.mma_f16 and not self.fp8_mma:
-            raise ValueError("MoEConfig.mma_f16 is a form of the fp8_mma tiles: set fp8_mma=True too")
+        for name in ("mma_f16", "mma_diag"):
+            if getattr(self, name) and not self.fp8_mma:
+                raise ValueError(f"MoEConfig.{name} is a form of the fp8_mma tiles: set fp8_mma=True too")
+        if self.mma_f16 and self.mma_diag:
+            raise ValueError("MoEConfig.mma_f16 and mma_diag are two forms of the fp8_mma tiles: set one")
         if self.gemv_block_n < 2 or self.gemv_block_n & (self.gemv_block_n - 1) or self.gemv_block_k < 128 \
                 or self.gemv_block_k & (self.gemv_block_k - 1):
             raise ValueError(f"MoEConfig: gemv_block_n must be a power of two >= 2 and gemv_block_k one >= 128, got "
@@ -651,7 +664,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
     if fp8_mma:
         y = experts_fp8_mma(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
-                            cfg.mma_f16, cfg.mma_num_warps, tail_t=cfg.mma_tail_tile, max_regs=cfg.mma_max_regs)
+                            cfg.mma_f16, cfg.mma_num_warps, tail_t=cfg.mma_tail_tile, max_regs=cfg.mma_max_regs,
+                            diag=cfg.mma_diag)
     elif gemv:
         y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                          sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)

@@ -20,6 +20,9 @@ prefill; the tuner picks per step size. What the decode limit is not (H200, BENC
 128-row tiles over two warpgroups). Left: one fresh product per 32 columns, waited for before
 its scaling, in each program's serial chain: a plain kernel doing only that per-block scaling
 streams at ~2.5 TB/s whatever the scale layout (``benchmarks/bench_fp8_stream.py``).
+``mma_diag`` (``_mma_rows_diag``) waits once per 128 columns instead: the rows laid out
+block-diagonally, one dot gives the four blocks' products side by side (H100, kernels alone at
+T=32: 169 vs 213 us; not yet offered to the tuner, ``MoEConfig.mma_diag``).
 
 The f16 form (``mma_f16``, ``_dequant_rows``) keeps the tiles and drops that chain: each weight
 tile is dequantised to f16 in registers, in the layout wgmma takes its first operand from, and
@@ -259,6 +262,38 @@ def _mma_rows(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N
 
 
 @triton.jit
+def _mma_rows_diag(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N: tl.constexpr,
+                   BT: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_mma_rows`` with one product per K step instead of one per 32 columns: the B operand
+    laid out block-diagonally (``mma_diag``). ``w_base [BLOCK_N, 128]`` points at each weight
+    row's first 128 columns, ``b_base [128, 4 BT]`` at B column ``t``'s first 128 entries in
+    columns ``4t + b``, ``b_ok [128, 4 BT]`` keeps row ``k`` of column ``4t + b`` only where
+    ``k // 32 == b`` (and ``t`` is a real pair). The product's column ``4t + b`` is then scale
+    block ``b``'s product for pair ``t``: each is scaled by its block's factor into a ``[BLOCK_N,
+    4 BT]`` accumulator, summed over the four blocks once, after the loop. One wait per 128
+    columns where ``_mma_rows`` waits four times (a plain kernel with a product per 32
+    columns streams at ~2.5 TB/s, one with a product accumulated in place at ~3.9), for four
+    times the tensor-core work and B's shared memory (idle and small at decode sizes)."""
+    acc = tl.zeros([BLOCK_N, 4 * BT], dtype=tl.float32)
+    shift = 8 * (tl.arange(0, 4 * BT) % 4)[None, :]
+    words = tl.load(s_base + k_beg // 128, mask=k_beg < k_end, other=0)
+    for k0 in range(k_beg, k_end, 128):
+        cur = words
+        words = tl.load(s_base + (k0 + 128) // 128, mask=k0 + 128 < k_end, other=0)
+        w = tl.load(w_base + k0)
+        bh = tl.load(b_base + k0, mask=b_ok, other=0.0)
+        bl = tl.load(b_base + stride_b_part + k0, mask=b_ok, other=0.0)
+        if DOT_F32:
+            wf = w.to(tl.float32)
+            p = tl.dot(wf, bh.to(tl.float32), tl.dot(wf, bl.to(tl.float32), input_precision="ieee"),
+                       input_precision="ieee")
+        else:
+            p = tl.dot(w, bh, tl.dot(w, bl))
+        acc += p * scale_factor((cur >> shift) & 0xFF, False)
+    return tl.sum(tl.reshape(acc, (BLOCK_N, BT, 4)), axis=2)
+
+
+@triton.jit
 def _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                   DOT_F32: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_T] = sum_{k in [k_beg, k_end)} (W[n, k] * scale[n, k // 32]) * B[k, t]``
@@ -297,21 +332,25 @@ def _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N: tl.conste
 
 @triton.jit
 def _rows_product(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N: tl.constexpr,
-                  BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr):
+                  BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr, DIAG: tl.constexpr):
     """``W @ B`` over ``[k_beg, k_end)`` for a program's weight rows: f16 dequantise (``F16``,
-    ``_dequant_rows``: bases 128 columns wide) or e4m3 dots on the two-part B (``_mma_rows``:
-    bases 32 columns wide); ``_k_cols`` gives the width."""
+    ``_dequant_rows``: bases 128 columns wide), e4m3 dots on the two-part B per step (``DIAG``,
+    ``_mma_rows_diag``: 128 wide, B block-diagonal, ``_diag_operand``) or per 32 columns
+    (``_mma_rows``: 32 wide); ``_k_cols`` gives the width."""
     if F16:
         acc = _dequant_rows(w_base, s_base, b_base, b_ok, k_beg, k_end, BLOCK_N, BLOCK_T, DOT_F32)
+    elif DIAG:
+        acc = _mma_rows_diag(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N, BLOCK_T, DOT_F32)
     else:
         acc = _mma_rows(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N, BLOCK_T, DOT_F32)
     return acc
 
 
 @triton.jit
-def _k_cols(F16: tl.constexpr):
-    """Column offsets of the bases ``_rows_product`` takes: 128 (``F16``) or 32 wide."""
-    if F16:
+def _k_cols(F16: tl.constexpr, DIAG: tl.constexpr = False):
+    """Column offsets of the bases ``_rows_product`` takes: 128 (the f16 and the block-diagonal
+    forms) or 32 wide."""
+    if F16 or DIAG:
         kk = tl.arange(0, 128)
     else:
         kk = tl.arange(0, 32)
@@ -319,19 +358,40 @@ def _k_cols(F16: tl.constexpr):
 
 
 @triton.jit
+def _diag_operand(ptr, stride_row, sorted_ptr, m0, end, TK, TOKENS: tl.constexpr, BT: tl.constexpr,
+                  K: tl.constexpr = 1):
+    """``(b_base [128, 4 BT], b_ok)``: the block-diagonal B operand of ``_mma_rows_diag`` for pairs
+    ``[m0, min(m0 + BT, end))``, the rows of ``ptr`` (the pairs' token rows with ``TOKENS``, else
+    their sorted positions). Column ``4t + b`` is pair ``t``'s row, kept on block ``b``'s 32
+    columns only."""
+    kk = tl.arange(0, 128)
+    q = tl.arange(0, 4 * BT)
+    rows = m0 + q // 4
+    r_ok = rows < end
+    if TOKENS:
+        pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
+        rows = tl.where(pair < TK, pair // K, pair - TK)
+    b_base = ptr + rows[None, :].to(tl.int64) * stride_row + kk[:, None]
+    return b_base, r_ok[None, :] & ((kk[:, None] // 32) == (q % 4)[None, :])
+
+
+@triton.jit
 def _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base, stride_h,
                        m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BT: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
-                       ACT: tl.constexpr):
+                       ACT: tl.constexpr, DIAG: tl.constexpr):
     """Pairs ``[m0, min(m0 + BT, end))`` against a program's weight rows (``_gate_up_tiles``)."""
     kk = _k_cols(F16)
     rows = m0 + tl.arange(0, BT)
     r_ok = rows < end
     pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
     tok = tl.where(pair < TK, pair // K, pair - TK)
-    b_base = xq_ptr + tok[None, :].to(tl.int64) * stride_xq_t + kk[:, None]
-    acc = _rows_product(w_base, s_base, b_base, stride_xq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BT, DOT_F32,
-                        F16)
+    if DIAG:
+        b_base, b_ok = _diag_operand(xq_ptr, stride_xq_t, sorted_ptr, m0, end, TK, True, BT, K)
+    else:
+        b_base, b_ok = xq_ptr + tok[None, :].to(tl.int64) * stride_xq_t + kk[:, None], r_ok[None, :]
+    acc = _rows_product(w_base, s_base, b_base, stride_xq_part, b_ok, k_beg, k_end, BLOCK_N, BT, DOT_F32, F16,
+                        DIAG)
     if ACT:
         HALF: tl.constexpr = BLOCK_N // 2
         g, u = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BT)), (1, 2, 0)))
@@ -348,7 +408,7 @@ def _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_ba
 def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn, s_ptr, stride_sn, sorted_ptr,
                    h_ptr, stride_h_split, stride_h, start, end, N, TK, H, k_per_split, alpha, limit,
                    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr,
-                   F16: tl.constexpr, ACT: tl.constexpr, TAIL_T: tl.constexpr):
+                   F16: tl.constexpr, ACT: tl.constexpr, TAIL_T: tl.constexpr, DIAG: tl.constexpr):
     """N-tile ``j % n_tiles`` of one expert's ``N`` gate/up rows over the pair tiles of
     ``[start, end)`` that fall to this program (an expert with fewer N-tiles than the grid
     hands its spare programs pair tiles, as in ``moe._gate_up_tiles``). ``TAIL_T`` (0: off): a
@@ -375,7 +435,7 @@ def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn
     else:
         cols = offs_n
         n_ld = offs_n % N  # a partial last tile re-reads valid rows (discarded) instead of masking
-    kk = _k_cols(F16)
+    kk = _k_cols(F16, DIAG)
     k_beg = tl.multiple_of(tl.program_id(2) * k_per_split, 128)
     k_end = tl.minimum(H, k_beg + k_per_split)
     w_base = w_ptr + n_ld[:, None].to(tl.int64) * stride_wn + kk[None, :]
@@ -386,15 +446,15 @@ def _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_ptr, stride_wn
             if end - m0 <= TAIL_T:
                 _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base,
                                    stride_h, m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K, BLOCK_N,
-                                   TAIL_T, DOT_F32, F16, ACT)
+                                   TAIL_T, DOT_F32, F16, ACT, DIAG)
             else:
                 _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base,
                                    stride_h, m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K, BLOCK_N,
-                                   BLOCK_T, DOT_F32, F16, ACT)
+                                   BLOCK_T, DOT_F32, F16, ACT, DIAG)
         else:
             _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_base, sorted_ptr, h_base,
                                stride_h, m0, end, N, TK, k_beg, k_end, alpha, limit, cols, offs_n, K, BLOCK_N,
-                               BLOCK_T, DOT_F32, F16, ACT)
+                               BLOCK_T, DOT_F32, F16, ACT, DIAG)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -404,7 +464,7 @@ def _moe_mma_gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
                     sorted_ptr, off_ptr, h_ptr, stride_h_split, stride_h, T, H, I, IS, k_per_split, alpha, limit,
                     K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                     DOT_F32: tl.constexpr, F16: tl.constexpr = False, ACT: tl.constexpr = False,
-                    TAIL_T: tl.constexpr = 0):
+                    TAIL_T: tl.constexpr = 0, DIAG: tl.constexpr = False):
     """``h[s, pos, n]`` for expert ``program_id(0)`` (``E``: the shared expert), or with ``ACT``
     the activation ``h[pos, c]`` (``_gate_up_tiles``)."""
     e = tl.program_id(0)
@@ -414,17 +474,17 @@ def _moe_mma_gate_up_kernel(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr,
         _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w13_ptr + e.to(tl.int64) * stride_w13_e,
                        stride_w13_n, s13_ptr + e.to(tl.int64) * stride_s13_e, stride_s13_n, sorted_ptr, h_ptr,
                        stride_h_split, stride_h, start, end, 2 * I, T * K, H, k_per_split, alpha, limit, K, BLOCK_N,
-                       BLOCK_T, DOT_F32, F16, ACT, TAIL_T)
+                       BLOCK_T, DOT_F32, F16, ACT, TAIL_T, DIAG)
     else:
         _gate_up_tiles(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n,
                        sorted_ptr, h_ptr, stride_h_split, stride_h, start, end, 2 * IS, T * K, H, k_per_split, alpha,
-                       limit, K, BLOCK_N, BLOCK_T, DOT_F32, F16, ACT, TAIL_T)
+                       limit, K, BLOCK_N, BLOCK_T, DOT_F32, F16, ACT, TAIL_T, DIAG)
 
 
 @triton.jit
 def _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr, y_base,
                     stride_y, m0, end, TK, H, k_beg, k_end, offs_h, BLOCK_N: tl.constexpr, BT: tl.constexpr,
-                    DOT_F32: tl.constexpr, F16: tl.constexpr):
+                    DOT_F32: tl.constexpr, F16: tl.constexpr, DIAG: tl.constexpr):
     """Pairs ``[m0, min(m0 + BT, end))`` against a program's down rows (``_moe_mma_down_kernel``)."""
     kk = _k_cols(F16)
     rows = m0 + tl.arange(0, BT)
@@ -432,9 +492,12 @@ def _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, t
     pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
     is_routed = pair < TK
     wt = tl.where(is_routed, tl.load(topk_w_ptr + pair, mask=r_ok & is_routed, other=0.0), 1.0)
-    b_base = aq_ptr + rows.to(tl.int64)[None, :] * stride_aq + kk[:, None]
-    acc = _rows_product(w_base, s_base, b_base, stride_aq_part, r_ok[None, :], k_beg, k_end, BLOCK_N, BT, DOT_F32,
-                        F16)
+    if DIAG:
+        b_base, b_ok = _diag_operand(aq_ptr, stride_aq, sorted_ptr, m0, end, TK, False, BT)
+    else:
+        b_base, b_ok = aq_ptr + rows.to(tl.int64)[None, :] * stride_aq + kk[:, None], r_ok[None, :]
+    acc = _rows_product(w_base, s_base, b_base, stride_aq_part, b_ok, k_beg, k_end, BLOCK_N, BT, DOT_F32, F16,
+                        DIAG)
     if not F16:  # undo the row split's scale
         wt = wt * tl.load(fa_ptr + rows, mask=r_ok, other=0.0)
     acc = acc * wt[None, :]
@@ -448,7 +511,8 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                  sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h,
                  topk_w_ptr, sorted_ptr, off_ptr, y_ptr, stride_y_split, stride_y, T, H, I, IS, k_per_split,
                  K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                 DOT_F32: tl.constexpr, F16: tl.constexpr = False, TAIL_T: tl.constexpr = 0):
+                 DOT_F32: tl.constexpr, F16: tl.constexpr = False, TAIL_T: tl.constexpr = 0,
+                 DIAG: tl.constexpr = False):
     """``y[s, pos, h] = w_pair * fa[pos] * sum_k W2_e[h, k] aq[pos, k]`` over K-range ``s`` of
     the expert's I (Is for the shared expert, whose pairs weigh 1), one H-tile; ``TAIL_T`` as in
     ``_gate_up_tiles``."""
@@ -460,7 +524,7 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
                                                          stride_ssd_h)
     offs_h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ld = offs_h % H
-    kk = _k_cols(F16)
+    kk = _k_cols(F16, DIAG)
     k_beg = tl.multiple_of(tl.program_id(2) * k_per_split, 128)
     k_end = tl.minimum(KD, k_beg + k_per_split)  # may be empty (the shared expert's short K): zeros
     w_base = w_ptr + h_ld[:, None].to(tl.int64) * stride_wh + kk[None, :]
@@ -471,14 +535,15 @@ def _moe_mma_down_kernel(aq_ptr, stride_aq_part, stride_aq, fa_ptr,
             if end - m0 <= TAIL_T:
                 _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr,
                                 y_base, stride_y, m0, end, T * K, H, k_beg, k_end, offs_h, BLOCK_N, TAIL_T, DOT_F32,
-                                F16)
+                                F16, DIAG)
             else:
                 _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr,
                                 y_base, stride_y, m0, end, T * K, H, k_beg, k_end, offs_h, BLOCK_N, BLOCK_T, DOT_F32,
-                                F16)
+                                F16, DIAG)
         else:
             _down_pair_tile(aq_ptr, stride_aq_part, stride_aq, fa_ptr, w_base, s_base, topk_w_ptr, sorted_ptr, y_base,
-                            stride_y, m0, end, T * K, H, k_beg, k_end, offs_h, BLOCK_N, BLOCK_T, DOT_F32, F16)
+                            stride_y, m0, end, T * K, H, k_beg, k_end, offs_h, BLOCK_N, BLOCK_T, DOT_F32, F16,
+                            DIAG)
 
 
 def _k_per_split(k: int, split: int) -> int:
@@ -490,7 +555,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
                     scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
                     sorted_pairs: Tensor, K: int, block_n: int, block_t: int, split: int, num_stages: int,
                     f16: bool = False, num_warps: int = 4, act_in_gate_up: bool = True, tail_t: int = 0,
-                    max_regs: int = 255) -> Tensor:
+                    max_regs: int = 255, diag: bool = False) -> Tensor:
     """The per-pair expert outputs ``y [split, P + T, H]`` fp32 (weighted, splits unsummed) of the
     sorted pairs ``(off, sorted_pairs)`` of ``moe_align``; ``moe.fused_moe`` combines them.
     Shapes as ``moe.fused_moe``'s (checked there), fitting ``fits_fp8_mma``. ``f16``: the
@@ -501,7 +566,8 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
     ``tail_t`` (0: off): an expert's last tile of at most that many pairs runs as a tile of
     ``tail_t`` pairs, not ``block_t`` (``MoEConfig.mma_tail_t``). ``max_regs`` (255: none): the
     two GEMM kernels' register cap per thread (``MoEConfig.mma_max_regs``; the interpreter has no
-    registers to cap)."""
+    registers to cap). ``diag``: e4m3 dots of K = 128 against the rows laid out block-diagonally
+    (``_mma_rows_diag``, ``MoEConfig.mma_diag``; not with ``f16``)."""
     T, H = x.shape
     E, I = w13.shape[0], w13.shape[1] // 2
     Is = shared_gate_up.shape[0] // 2
@@ -531,7 +597,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0),
         sorted_pairs, off, out, out.stride(0) if not act else 0, out.stride(-2), T, H, I, Is, _k_per_split(H, split),
         float(alpha), float(limit), K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, ACT=act,
-        TAIL_T=tail_t, **launch)
+        TAIL_T=tail_t, DIAG=diag, **launch)
     if not act:
         aq, fa = swiglu_split(out, off, E, I, Is, alpha, limit, f16)
     y = torch.empty(split, P + T, H, dtype=torch.float32, device=dev)
@@ -540,7 +606,7 @@ def experts_fp8_mma(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_g
         w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
         shared_down, shared_down.stride(0), ssd, ssd.stride(0),
         topk_w, sorted_pairs, off, y, y.stride(0), y.stride(1), T, H, I, Is, _k_per_split(width, split),
-        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, TAIL_T=tail_t, **launch)
+        K=K, E=E, BLOCK_N=block_n, BLOCK_T=block_t, DOT_F32=dot_f32, F16=f16, TAIL_T=tail_t, DIAG=diag, **launch)
     return y
 
 
