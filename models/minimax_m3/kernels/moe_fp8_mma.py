@@ -228,6 +228,18 @@ def permute_k(v: Tensor) -> Tensor:
 
 
 @triton.jit
+def _two_part_dot(w, bh, bl, DOT_F32: tl.constexpr):
+    """``w @ (bh + bl)``: two e4m3 dots (weights against the row split's two parts) into one
+    fresh fp32 product; ``DOT_F32`` (the interpreter) in fp32 on the same e4m3 values."""
+    if DOT_F32:
+        wf = w.to(tl.float32)
+        p = tl.dot(wf, bh.to(tl.float32), tl.dot(wf, bl.to(tl.float32), input_precision="ieee"), input_precision="ieee")
+    else:
+        p = tl.dot(w, bh, tl.dot(w, bl))
+    return p
+
+
+@triton.jit
 def _mma_rows(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N: tl.constexpr,
               BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_T] = sum_{k in [k_beg, k_end)} W[n, k] * scale[n, k // 32] *
@@ -251,13 +263,7 @@ def _mma_rows(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BLOCK_N
             w = tl.load(w_base + k0 + 32 * b)
             bh = tl.load(b_base + k0 + 32 * b, mask=b_ok, other=0.0)
             bl = tl.load(b_base + stride_b_part + k0 + 32 * b, mask=b_ok, other=0.0)
-            if DOT_F32:
-                wf = w.to(tl.float32)
-                p = tl.dot(wf, bh.to(tl.float32), tl.dot(wf, bl.to(tl.float32), input_precision="ieee"),
-                           input_precision="ieee")
-            else:
-                p = tl.dot(w, bh, tl.dot(w, bl))
-            acc += p * scale_factor((cur >> (8 * b)) & 0xFF, False)
+            acc += _two_part_dot(w, bh, bl, DOT_F32) * scale_factor((cur >> (8 * b)) & 0xFF, False)
     return acc
 
 
@@ -283,13 +289,7 @@ def _mma_rows_diag(w_base, s_base, b_base, stride_b_part, b_ok, k_beg, k_end, BL
         w = tl.load(w_base + k0)
         bh = tl.load(b_base + k0, mask=b_ok, other=0.0)
         bl = tl.load(b_base + stride_b_part + k0, mask=b_ok, other=0.0)
-        if DOT_F32:
-            wf = w.to(tl.float32)
-            p = tl.dot(wf, bh.to(tl.float32), tl.dot(wf, bl.to(tl.float32), input_precision="ieee"),
-                       input_precision="ieee")
-        else:
-            p = tl.dot(w, bh, tl.dot(w, bl))
-        acc += p * scale_factor((cur >> shift) & 0xFF, False)
+        acc += _two_part_dot(w, bh, bl, DOT_F32) * scale_factor((cur >> shift) & 0xFF, False)
     return tl.sum(tl.reshape(acc, (BLOCK_N, BT, 4)), axis=2)
 
 
