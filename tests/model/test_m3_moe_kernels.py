@@ -287,6 +287,10 @@ MMA_PTRS = {"xq_ptr": "fp8e4nv", "aq_ptr": "fp8e4nv", "fx_ptr": "fp32", "fa_ptr"
             "s2_ptr": "i32", "ssd_ptr": "i32", "sorted_ptr": "i32", "off_ptr": "i32", "h_ptr": "fp32",
             "y_ptr": "fp32", "topk_w_ptr": "fp32", "v_ptr": "bf16", "q_ptr": "fp8e4nv", "f_ptr": "fp32"}
 MMA_FLOATS = {"_moe_mma_gate_up_kernel": ["alpha", "limit"], "_moe_mma_down_kernel": []}
+# the block-diagonal form (``MoEConfig.mma_diag``, not offered to the tuner) at its two tile widths,
+# the fastest first (H100, T=32)
+MMA_DIAG = [moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=8, mma_num_stages=3),
+            moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=16)]
 
 
 def test_fp8_mma_kernels_compile_for_hopper():
@@ -297,10 +301,8 @@ def test_fp8_mma_kernels_compile_for_hopper():
     ptrs = MMA_PTRS
     M = "models.minimax_m3.kernels.moe_fp8_mma"
     decode_configs = moe._mma_candidates(1)
-    # the block-diagonal form (not offered to the tuner) at its two tile widths
-    diag = [moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=8, mma_num_stages=3),
-            moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=16)]
-    configs = decode_configs + diag + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64, mma_num_stages=3)]
+    configs = decode_configs + MMA_DIAG + [moe.MoEConfig(fp8_mma=True, mma_block_n=128, mma_block_t=64,
+                                                         mma_num_stages=3)]
     floats = MMA_FLOATS
     cases = [[M, k, {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.mma_block_n, "BLOCK_T": c.mma_block_t,
                      "DOT_F32": False, "F16": False, "DIAG": c.mma_diag}, ptrs, floats[k], 4, c.mma_num_stages]
@@ -323,7 +325,7 @@ def test_fp8_mma_kernels_compile_for_hopper():
     assert all(r["fp8_wgmma"] and r["cp_async"] for r in gemms), gemms
     assert all(r["k_loop_loads"] == (2 if i % 2 == 0 else 1) for i, r in enumerate(gemms)), gemms
     # at decode at least 3 programs an SM, 2 for the block-diagonal form (B's stage 4x wider)
-    fit = [3] * 2 * len(decode_configs) + [2] * 2 * len(diag)
+    fit = [3] * 2 * len(decode_configs) + [2] * 2 * len(MMA_DIAG)
     decode = gemms[: len(fit)]
     assert all(65536 // (r["regs"] * 128) >= n and r["shared"] <= 227 * 1024 // n for r, n in zip(decode, fit)), decode
     # f16 form: the dequantised weights are wgmma's register operand, straight from the layout the
@@ -876,7 +878,7 @@ def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
     w8, scales, _ = quantized(pb)
     # decode: K split in 4, summed by the combine, or block-diagonal dots; or the weight-row form
     if f16 == "diag":
-        cfg = moe.MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=8, mma_num_stages=3)
+        cfg = MMA_DIAG[0]
     else:
         cfg = moe._gemv_candidates(T)[0] if f16 == "gemv" else moe._mma_candidates(T, f16)[-1]
     args = lambda: (pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT)  # noqa: E731

@@ -386,7 +386,7 @@ def _gate_up_pair_tile(xq_ptr, stride_xq_part, stride_xq_t, fx_ptr, w_base, s_ba
     r_ok = rows < end
     pair = tl.load(sorted_ptr + rows, mask=r_ok, other=0)
     tok = tl.where(pair < TK, pair // K, pair - TK)
-    if DIAG:
+    if DIAG:  # its 4 BT columns load the pair ids again (L1 hits) rather than reshape ``tok``'s layout
         b_base, b_ok = _diag_operand(xq_ptr, stride_xq_t, sorted_ptr, m0, end, TK, True, BT, K)
     else:
         b_base, b_ok = xq_ptr + tok[None, :].to(tl.int64) * stride_xq_t + kk[:, None], r_ok[None, :]
