@@ -137,10 +137,9 @@ class MoEConfig:
             block) instead of a dot per 32 columns, each waited for before its scaling: one wait
             a step for four times the tensor-core work and B's shared memory
             (``moe_fp8_mma._mma_rows_diag``). Kernels alone at T=32 (H100, 8-pair tiles, 3
-            stages): 169.3 us against 213.3 for the per-block dots, same error. Not offered to
-            the tuner yet: in 8-layer steps that offered it the tuner took it at decode 64 with
-            no change in the graph span beyond run-to-run noise, and at decode 32 kept the
-            dequantising tiles (BENCHMARKS.md, MXFP8 fourteenth round).
+            stages): 169.3 us against 213.3 for the per-block dots, same error. Offered to the
+            tuner at decode sizes (8-pair tiles, 3 stages, K unsplit): in 60-layer steps the H100
+            tuner took it at decode 8, 32 and 64 (BENCHMARKS.md, MXFP8 fifteenth round).
     """
 
     block_m: int = 16
@@ -274,14 +273,20 @@ def _mma_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
     both are offered, the tuner keeps the faster on the GPU it runs on.
     At decode sizes the f16 form ran as fast as the others but not faster (H200, T=1 59.6 vs
     55.3 us, T=32 172.9 vs 168.7, T=64 324.9 vs 319.0; in K order on the H100, T=32 182.4 vs
-    183.6, T=64 353.2 vs 354.4), so it is not offered there."""
+    183.6, T=64 353.2 vs 354.4), so it is not offered there.
+
+    At decode sizes also the block-diagonal form (``mma_diag``: 8-pair tiles, 3 stages). Kernels
+    alone on the H100 (T=32 / 64, us): 168.6 / 340.3 against 214.8 / 422.4 for the per-block
+    dots and 186.1 / 352.3 for the dequantising tiles; K split in 2 was slower (177.6 / 353.0)
+    and so is not offered. In 60-layer steps (H100, uniform routing) the tuner took it at decode
+    8, 32 and 64 (BENCHMARKS.md, MXFP8 fifteenth round)."""
     if num_tokens > _DECODE_MAX_TOKENS:
         if not f16:
             return []
         prefill = MoEConfig(fp8_mma=True, mma_f16=True, mma_block_n=64, mma_block_t=64, mma_num_stages=3)
         return [prefill, replace(prefill, mma_num_stages=4, mma_tail_t=32)]
     return [MoEConfig(fp8_mma=True, mma_block_n=64, mma_block_t=16, mma_split=split, mma_num_stages=4)
-            for split in (1, 2, 4)]
+            for split in (1, 2, 4)] + [MoEConfig(fp8_mma=True, mma_diag=True, mma_block_t=8, mma_num_stages=3)]
 
 
 def scales_fit_f16(scales: "MoEScales") -> bool:
