@@ -230,20 +230,23 @@ def test_route_rejects_bad_arguments():
 
 def test_router_config_spreads_the_weight_read():
     """At the real shape even one token reads the 3 MB weight with >= ~100 programs, and the
-    token tile grows with T so the weight is read once per 64 tokens."""
+    token tile grows with T so the weight is read once per 64 tokens; bf16 token tiles take the
+    three-part bf16 dot (fp32 x the fp32 FMA dot), prefill sizes one config for every size."""
     E, H, sms = 128, 6144, 132
-    for T in (1, 2, 8, 32, 64, 300, 1054):
+    for T in (1, 2, 3, 8, 32, 64, 100, 300, 1054):
         big = T >= rk.CUBLAS_MIN_TOKENS and DEV == "cuda"  # the interpreter keeps the Triton GEMV
-        assert rk.router_config(T, E, H, sms, torch.float32).cublas == big  # fp32 x: cuBLAS SGEMM
+        f32 = rk.router_config(T, E, H, sms, torch.float32)
+        assert f32.cublas == big and not f32.bf16_split  # fp32 x: cuBLAS SGEMM or the fp32 dot
         c = rk.router_config(T, E, H, sms)
-        assert c.bf16_split == big and not c.cublas  # bf16 x: the three-part bf16 dot
-        if c.bf16_split:  # one build for every prefill size: nothing compiles after capture
+        assert c.bf16_split == (T > 2) and not c.cublas  # bf16 x: the three-part bf16 dot on token tiles
+        if big:  # one build for every prefill size: nothing compiles after capture
             assert c == rk.bf16_split_config(E, H) and c.splits == 8
             continue
-        programs = -(-E // c.block_e) * c.splits * -(-T // c.block_t)
-        assert programs >= 96, (T, c)
-        assert c.splits * c.h_per_split >= H and c.h_per_split % c.block_h == 0
-        assert c.block_t in (1, 16, 32, 64)
+        for cfg in (c, f32):
+            programs = -(-E // cfg.block_e) * cfg.splits * -(-T // cfg.block_t)
+            assert programs >= 96, (T, cfg)
+            assert cfg.splits * cfg.h_per_split >= H and cfg.h_per_split % cfg.block_h == 0 and cfg.splits <= 32
+            assert cfg.block_t in (1, 16, 32, 64)
 
 
 def test_cublas_logits_path_matches_fp64():
@@ -256,17 +259,24 @@ def test_cublas_logits_path_matches_fp64():
     check_route(got, case.ref(K, 2.0, T - 3, 4, 8), K)
 
 
-@pytest.mark.parametrize("T", [33, 70])
+@pytest.mark.parametrize("T", [5, 20, 33, 70])
 def test_bf16_split_logits_match_fp64(T):
     """bf16 x against the fp32 weight as three bf16 parts: the logits within fp32 rounding of
     the fp64 ones (not bf16's or tf32's: the weights here need all their bits), then the same
-    routing as the fp64 reference; refused for activations that are not bf16."""
+    routing as the fp64 reference; refused for activations that are not bf16. Decode sizes in
+    ``router_config``'s token tiles (16 or 32 tokens, 64 columns a step, H split in 4), the
+    larger ones in the prefill tiles."""
     H, E, K = 256, 16, 4
     case = RouteCase(T, H, E, seed=T + 5)
     g = torch.Generator(device=DEV).manual_seed(T)
     case.w += torch.randn(case.w.shape, generator=g, device=DEV) * 2.0**-12  # bits a bf16 or tf32 weight drops
-    cfg = dataclasses.replace(rk.bf16_split_config(E, H), h_per_split=128, splits=2)  # partials summed too
-    assert cfg.bf16_split and cfg.block_t == 64
+    if T < 32:
+        cfg = rk.router_config(T, E, H, 132)
+        assert (cfg.block_t, cfg.block_h, cfg.splits) == (16 if T <= 16 else 32, 64, 4)
+    else:
+        cfg = dataclasses.replace(rk.bf16_split_config(E, H), h_per_split=128, splits=2)  # partials summed too
+        assert cfg.block_t == 64
+    assert cfg.bf16_split
     part = rk.router_logit_partials(case.x, case.w, cfg)
     ref = case.x.double() @ case.w.double().T
     scale = case.x.double().abs() @ case.w.double().abs().T
@@ -508,9 +518,9 @@ def test_cuda_route_real_shapes(T):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T", [128, 1054])
+@pytest.mark.parametrize("T", [3, 32, 64, 100, 128, 1054])
 def test_cuda_bf16_split_logits_as_accurate_as_an_fp32_gemm(T):
-    """Prefill-sized bf16 steps take the three-part bf16 dot: its logits are as close to the
+    """bf16 steps of more than two tokens take the three-part bf16 dot: its logits are as close to the
     fp64 ones as cuBLAS SGEMM's (the earlier path) or closer, far closer than a bf16 weight's
     (chaining the whole split in the MMA accumulator failed this: 3.6x SGEMM's error)."""
     torch.backends.cuda.matmul.allow_tf32 = False

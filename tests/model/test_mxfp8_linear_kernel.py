@@ -104,7 +104,7 @@ REAL = [(1536, 6144), (6144, 1024), (3072, 6144), (6144, 1536)]
 
 def test_kernels_compile_for_hopper():
     cases, prefill = [], []
-    for t in (1, 1054):
+    for t in (1, 64, 1054):
         for n, k in REAL[:2]:
             for cfg in linear_config_candidates(t, n, k):
                 c = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN": True,
@@ -139,7 +139,7 @@ def test_real_shapes_take_the_unmasked_k_loop():
     masked loop, for other shapes, reads scales per element: a split that did not divide K sent
     the dense MLP's down projection there, and on the H200 it asked for 300-400 KB of shared
     memory)."""
-    for t in (1, 8, 64, 1054):
+    for t in (1, 8, 32, 64, 1054):
         for n, k in REAL:
             for cfg in linear_config_candidates(t, n, k):
                 split, per, even = split_plan(k, cfg)
@@ -158,7 +158,7 @@ def test_triton_dequantize_is_exact_and_feeds_f_linear():
         dequantize_mxfp8_triton(q, s[:, :2], torch.float32)
 
 
-@pytest.mark.parametrize("t", [1, 8, 100])
+@pytest.mark.parametrize("t", [1, 8, 40, 100])
 def test_every_candidate_matches_f_linear(t):
     n, k = 96, 1024
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32

@@ -23,7 +23,7 @@ takes qkv 36.6 us and o_proj 32.9 us against bf16's 26.3 and 22.0 (the fp8 kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -106,25 +106,38 @@ def default_linear_config(num_tokens: int, n: int, k: int) -> LinearConfig:
     (one wgmma warpgroup), no split."""
     if num_tokens > DECODE_MAX_TOKENS:
         return LinearConfig(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=4)
-    cfg = LinearConfig()
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(num_tokens, cfg.block_m)
-    split = max(1, min(k // cfg.block_k, _PROGRAMS_WANTED // max(tiles, 1)))
-    return LinearConfig(split_k=split)
+    return _split_to_fill(LinearConfig(), num_tokens, n, k)
 
 
 def linear_config_candidates(num_tokens: int, n: int, k: int) -> list[LinearConfig]:
     """The default first, then larger steps per program: an fp8 tile holds half the bytes of
     the bf16 one of the same shape, and at decode each step's dequantise and layout shuffles
-    sit in every program's serial chain, so fewer, fuller steps may keep HBM busier."""
+    sit in every program's serial chain, so fewer, fuller steps may keep HBM busier. Above 16
+    rows also tiles of all the rows (32 or 64): in 60-layer steps the H100 tuner took them for
+    every projection at T=64 and all but one at T=32 (alone, T=64, us: qkv 23.1 -> 17.0, o_proj
+    14.3 -> 12.7, dense gate/up 35.1 -> 24.6, down 19.8 -> 15.7; BENCHMARKS.md, MXFP8 fifteenth
+    round)."""
     base = default_linear_config(num_tokens, n, k)
     if num_tokens > DECODE_MAX_TOKENS:
         return [base, LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)]
     out = [base]
     for block_n, block_k, warps in ((64, 512, 8), (128, 256, 8), (32, 512, 4)):
-        tiles = triton.cdiv(n, block_n) * triton.cdiv(num_tokens, 16)
-        split = max(1, min(k // block_k, _PROGRAMS_WANTED // max(tiles, 1)))
-        out.append(LinearConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=warps, num_stages=3))
+        out.append(_split_to_fill(LinearConfig(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=3),
+                                  num_tokens, n, k))
+    if num_tokens > 16:
+        # All the step's rows in one M-tile: 16-row tiles dequantise (and read from L2) each
+        # weight tile once per 16 rows, which at 64 rows is 4 times.
+        bm = min(64, triton.next_power_of_2(num_tokens))
+        for block_n, block_k, warps in ((64, 256, 4), (128, 128, 8)):
+            out.append(_split_to_fill(LinearConfig(block_m=bm, block_n=block_n, block_k=block_k, num_warps=warps,
+                                                   num_stages=3), num_tokens, n, k))
     return out
+
+
+def _split_to_fill(cfg: LinearConfig, num_tokens: int, n: int, k: int) -> LinearConfig:
+    """``cfg`` with K split until about ``_PROGRAMS_WANTED`` programs run (at most one K step each)."""
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(num_tokens, cfg.block_m)
+    return replace(cfg, split_k=max(1, min(k // cfg.block_k, _PROGRAMS_WANTED // max(tiles, 1))))
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -13,11 +13,11 @@ Kernels:
   scores flip near-tied expert choices). Even one token spreads the 3 MB fp32 weight read
   over ~100-250 programs by splitting E and H; every program writes its fp32 partial logits
   to a scratch ``[splits, T, E]``. Large T is tiled as well (up to 64 tokens per program),
-  so the weight is read once per token tile rather than once per token. From
-  ``CUBLAS_MIN_TOKENS`` tokens (prefill-sized steps) bf16 activations take three bf16
-  tensor-core dots against the weight split into three bf16 parts in registers (products
-  exact, each step's sum promoted to fp32: closer to the fp64 logits than SGEMM), other
-  dtypes one cuBLAS SGEMM.
+  so the weight is read once per token tile rather than once per token. On token tiles (more
+  than two tokens) bf16 activations take three bf16 tensor-core dots against the weight split
+  into three bf16 parts in registers (products exact, each step's sum promoted to fp32: closer
+  to the fp64 logits than SGEMM); other dtypes the fp32 FMA dot and, from
+  ``CUBLAS_MIN_TOKENS`` tokens (prefill-sized steps), one cuBLAS SGEMM.
 - ``_router_topk_kernel``, grid (token): sums the partials in a fixed order (one reduction
   tree over the splits, the same on every run: deterministic), sigmoid, bias, top-k by ``K``
   rounds of max (ties go to the lower expert id), renormalisation, scale, padding and the
@@ -104,16 +104,23 @@ def router_config(T: int, E: int, H: int, sms: int, x_dtype: torch.dtype = torch
     The GEMV is memory-bound. At T <= 2 every program reads one [16, 256] weight tile (16 KB,
     all loads issued at once: the loop over H is not software-pipelined without a dot), so
     the 3 MB read costs one DRAM round trip over 8 x 24 programs. Token tiles (T > 2) use a
-    pipelined fp32 dot and ~2 programs per SM. Splits stay <= 32 (<= 64 for T <= 2): the top-k
+    pipelined dot and ~2 programs per SM. Splits stay <= 32 (<= 64 for T <= 2): the top-k
     kernel loads all of a token's partials at once, and they stay small next to the weight.
+
+    bf16 token tiles take the three-part bf16 dot, 64 columns a step: Triton's true-fp32 dot
+    runs on the CUDA cores and was compute-bound from a few tokens (H100, routing with the
+    top-k kernel, cold L2: T=8 17.1 -> 12.1 us, T=32 18.3 -> 15.9, T=64 26.4 -> 13.1, T=100
+    39.4 -> 15.4; BENCHMARKS.md, MXFP8 fifteenth round).
     """
+    split3 = T > 2 and BF16_SPLIT and x_dtype == torch.bfloat16
     if T <= 2:
         # One token per program: re-reading the weight for a second token hits L2.
         bt, be, bh = 1, min(16, next_pow2(E)), min(256, next_pow2(H))
         want = min(64, triton.cdiv(H, bh))
     else:
         bt = min(64, max(16, next_pow2(T)))
-        be, bh = min(32 if T <= 64 else 64, max(16, next_pow2(E))), min(32, max(16, next_pow2(H)))
+        be = min(32 if T <= 64 else 64, max(16, next_pow2(E)))
+        bh = min(64 if split3 else 32, max(16, next_pow2(H)))
         tiles = triton.cdiv(T, bt) * triton.cdiv(E, be)
         want = max(1, min(32, triton.cdiv(2 * sms, tiles), triton.cdiv(H, bh)))
     h_per = triton.cdiv(triton.cdiv(H, want), bh) * bh
@@ -126,8 +133,9 @@ def router_config(T: int, E: int, H: int, sms: int, x_dtype: torch.dtype = torch
             return bf16_split_config(E, H)
         return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=H, splits=1, gemv_warps=4,
                             topk_warps=1, cublas=True)
-    return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=h_per, splits=splits,
-                        gemv_warps=8 if bt * be >= 4096 else 4, topk_warps=max(1, min(8, partials // 1024)))
+    warps = 8 if bt * be >= 4096 and not split3 else 4
+    return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=h_per, splits=splits, gemv_warps=warps,
+                        topk_warps=max(1, min(8, partials // 1024)), bf16_split=split3)
 
 
 def bf16_split_config(E: int, H: int) -> RouterConfig:
