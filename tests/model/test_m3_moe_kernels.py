@@ -880,8 +880,12 @@ def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
     # decode: K split in 4, summed by the combine, or block-diagonal dots; or the weight-row form
     if f16 == "diag":
         cfg = MMA_DIAG[0]
-    else:
-        cfg = moe._gemv_candidates(T)[0] if f16 == "gemv" else moe._mma_candidates(T, f16)[-1]
+    elif f16 == "gemv":
+        cfg = moe._gemv_candidates(T)[0]
+    elif f16:
+        cfg = moe._mma_candidates(T, f16)[-1]
+    else:  # by its split: the block-diagonal set is offered after it
+        cfg = next(c for c in moe._mma_candidates(T) if c.mma_split == 4 and not c.mma_diag)
     args = lambda: (pb.x, pb.ids, pb.w, *w8, ALPHA, LIMIT)  # noqa: E731
     out = pb.poisoned_out()
     moe.fused_moe(*args(), out, config=cfg, scales=scales)
