@@ -135,7 +135,7 @@ def linear_config_candidates(num_tokens: int, n: int, k: int) -> list[LinearConf
 
 
 def _split_to_fill(cfg: LinearConfig, num_tokens: int, n: int, k: int) -> LinearConfig:
-    """``cfg`` with K split until about ``_PROGRAMS_WANTED`` programs run (at most one K step each)."""
+    """``cfg`` with K split until about ``_PROGRAMS_WANTED`` programs run (at least one K step each)."""
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(num_tokens, cfg.block_m)
     return replace(cfg, split_k=max(1, min(k // cfg.block_k, _PROGRAMS_WANTED // max(tiles, 1))))
 

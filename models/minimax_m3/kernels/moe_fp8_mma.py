@@ -22,7 +22,7 @@ its scaling, in each program's serial chain: a plain kernel doing only that per-
 streams at ~2.5 TB/s whatever the scale layout (``benchmarks/bench_fp8_stream.py``).
 ``mma_diag`` (``_mma_rows_diag``) waits once per 128 columns instead: the rows laid out
 block-diagonally, one dot gives the four blocks' products side by side (H100, kernels alone at
-T=32: 169 vs 213 us; not yet offered to the tuner, ``MoEConfig.mma_diag``).
+T=32: 169 vs 213 us; offered to the tuner at decode sizes, ``MoEConfig.mma_diag``).
 
 The f16 form (``mma_f16``, ``_dequant_rows``) keeps the tiles and drops that chain: each weight
 tile is dequantised to f16 in registers, in the layout wgmma takes its first operand from, and
