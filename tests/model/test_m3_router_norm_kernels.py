@@ -259,13 +259,14 @@ def test_cublas_logits_path_matches_fp64():
     check_route(got, case.ref(K, 2.0, T - 3, 4, 8), K)
 
 
-@pytest.mark.parametrize("T", [5, 20, 33, 70])
-def test_bf16_split_logits_match_fp64(T):
+@pytest.mark.parametrize(("T", "weight_a"), [(5, False), (20, False), (33, False), (70, False), (33, True),
+                                             (70, True)])
+def test_bf16_split_logits_match_fp64(T, weight_a):
     """bf16 x against the fp32 weight as three bf16 parts: the logits within fp32 rounding of
     the fp64 ones (not bf16's or tf32's: the weights here need all their bits), then the same
     routing as the fp64 reference; refused for activations that are not bf16. Decode sizes in
     ``router_config``'s token tiles (16 or 32 tokens, 64 columns a step, H split in 4), the
-    larger ones in the prefill tiles."""
+    larger ones in the prefill tiles, the weight parts as the dots' first operand or second."""
     H, E, K = 256, 16, 4
     case = RouteCase(T, H, E, seed=T + 5)
     g = torch.Generator(device=DEV).manual_seed(T)
@@ -274,7 +275,8 @@ def test_bf16_split_logits_match_fp64(T):
         cfg = rk.router_config(T, E, H, 132)
         assert (cfg.block_t, cfg.block_h, cfg.splits) == (16 if T <= 16 else 32, 64, 4)
     else:
-        cfg = dataclasses.replace(rk.bf16_split_config(E, H), h_per_split=128, splits=2)  # partials summed too
+        # partials summed too; the 16-expert tile here takes the weight parts second unless asked
+        cfg = dataclasses.replace(rk.bf16_split_config(E, H), h_per_split=128, splits=2, weight_a=weight_a)
         assert cfg.block_t == 64
     assert cfg.bf16_split
     part = rk.router_logit_partials(case.x, case.w, cfg)
@@ -431,23 +433,28 @@ def norm_case(H, fused):
             {}, ["eps"], warps, 3]
 
 
-def bf16_split_case(T):
+def bf16_split_case(T, weight_a=True):
     c = rk.bf16_split_config(REAL_E, REAL_H)
     assert (c.splits, c.h_per_split, c.block_t, c.block_e) == (8, 768, 64, 64)  # the config timed on the H100
+    assert c.weight_a  # 64-expert tiles: the weight parts as wgmma's register operand
     gemv = {"E": REAL_E, "H": REAL_H, "BLOCK_T": c.block_t, "BLOCK_E": c.block_e, "BLOCK_H": c.block_h,
-            "H_PER_SPLIT": c.h_per_split, "BF16_SPLIT": True, "DOT_F32": False}
+            "H_PER_SPLIT": c.h_per_split, "BF16_SPLIT": True, "DOT_F32": False, "WEIGHT_A": weight_a}
     return ["models.minimax_m3.kernels.router", "_router_logits_kernel", gemv, ROUTER_PTRS, [], c.gemv_warps, 3]
 
 
 def test_kernels_compile_for_hopper():
     cases = router_cases(1) + router_cases(8) + router_cases(64) + router_cases(1054)
     cases += [norm_case(REAL_H, False), norm_case(REAL_H, True), norm_case(3 * REAL_H, True)]
-    cases.append(bf16_split_case(1054))
+    cases += [bf16_split_case(1054, weight_a=False), bf16_split_case(1054)]
     reports = run_compile_reports(cases)
     for case, rep in zip(cases, reports):
         assert rep["spill_bytes"] == 0, (case[1], case[2], rep)
-        assert rep["regs"] <= 128, (case[1], case[2], rep)  # >= 2 programs of 4 warps per SM
-    assert reports[-1]["wgmma"], "the three-part bf16 dot should use Hopper wgmma"
+        # >= 2 programs of 4 warps per SM (a 1054-token step runs ~2 per SM); the register
+        # operand form holds its three parts a step: 3 programs
+        assert rep["regs"] <= (168 if case[2].get("WEIGHT_A") else 128), (case[1], case[2], rep)
+    assert reports[-2]["wgmma"] and reports[-1]["wgmma"], "the three-part bf16 dot should use Hopper wgmma"
+    # its weight parts, made in registers, feed wgmma from there (no shared-memory store first)
+    assert reports[-1]["wgmma_reg_a"] and not reports[-2]["wgmma_reg_a"], reports[-2:]
 
 
 @pytest.mark.parametrize("T,nrt,strategy", [(1, None, None), (5, 3, "uniform"), (64, 60, "balanced")])

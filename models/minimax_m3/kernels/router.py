@@ -84,6 +84,7 @@ class RouterConfig:
     topk_warps: int
     cublas: bool = False  # logits from one cuBLAS SGEMM (true fp32) instead of the Triton GEMV
     bf16_split: bool = False  # token tiles as three bf16 tensor-core dots (bf16 x; see the kernel)
+    weight_a: bool = False  # bf16_split with the weight parts as the dots' first operand (see the kernel)
 
 #: From this many tokens the GEMM is compute-bound in fp32 (1.7 GFLOP at 1054 tokens), where
 #: the Triton FMA dot measured 318 us per layer on an H200 against ~50 us for cuBLAS SGEMM (tf32
@@ -142,13 +143,15 @@ def bf16_split_config(E: int, H: int) -> RouterConfig:
     """Tiles of the three-part bf16 dot, the same at every token count (one build serves every
     prefill size, so no step compiles one after capture): 64 x 64 token x expert tiles (wgmma)
     over 64 hidden columns a step, ``BF16_SPLIT_COLUMNS`` columns a program (M3's 6144 in 8
-    splits: a 1024-token chunk runs 16 x 2 x 8 = 256 programs, ~2 per SM)."""
+    splits: a 1024-token chunk runs 16 x 2 x 8 = 256 programs, ~2 per SM). 64-expert tiles take
+    the weight parts as the dots' register operand (``weight_a``; H200, routing at 1054 tokens:
+    43.4 -> 30.3 us)."""
     bt, be, bh = 64, min(64, max(16, next_pow2(E))), 64
     h_per = triton.cdiv(min(H, BF16_SPLIT_COLUMNS), bh) * bh
     splits = triton.cdiv(H, h_per)
     partials = max(2, next_pow2(splits)) * max(2, next_pow2(E))
     return RouterConfig(block_t=bt, block_e=be, block_h=bh, h_per_split=h_per, splits=splits, gemv_warps=4,
-                        topk_warps=max(1, min(8, partials // 1024)), bf16_split=True)
+                        topk_warps=max(1, min(8, partials // 1024)), bf16_split=True, weight_a=be == 64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,6 +194,7 @@ def _router_logits_kernel(
     x_ptr, stride_x, w_ptr, part_ptr, T,
     E: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
     H_PER_SPLIT: tl.constexpr, BF16_SPLIT: tl.constexpr = False, DOT_F32: tl.constexpr = False, PDL: tl.constexpr = 0,
+    WEIGHT_A: tl.constexpr = False,
 ):
     """part[split, t, e] = sum over this split's hidden columns h of fp32(x[t, h]) * W[e, h].
 
@@ -203,7 +207,12 @@ def _router_logits_kernel(
     accumulator on the CUDA cores (one chain through the whole split measured 3.6x cuBLAS
     SGEMM's error against fp64 at 1054 tokens; promoted per step, 0.23x: 7.2e-7 against
     3.1e-6, a bf16 weight 8.3e-3). ``DOT_F32``: the
-    same parts through fp32 dots (the interpreter, whose bf16 dots are not exact)."""
+    same parts through fp32 dots (the interpreter, whose bf16 dots are not exact).
+
+    ``WEIGHT_A`` (``BF16_SPLIT``, 64-expert tiles): the products as ``[experts, tokens]``, the
+    weight parts the dots' first operand. wgmma takes its first operand from registers, where
+    the parts are made; as the second they were first stored to shared memory, three tiles a
+    step, each store waited for before its dot."""
     grid_dependency(PDL)
     pt = tl.program_id(0)  # token tiles first: programs sharing a weight tile run close together (L2)
     ps = tl.program_id(1)
@@ -230,7 +239,10 @@ def _router_logits_kernel(
         t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
         x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_x
-        acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        if WEIGHT_A:
+            acc = tl.zeros([BLOCK_E, BLOCK_T], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
         for k in range(0, H_PER_SPLIT, BLOCK_H):
             h = h0 + k + hh
             h_ok = h < H
@@ -241,18 +253,31 @@ def _router_logits_kernel(
                 rest = wt - hi.to(tl.float32)  # exact in fp32, as is the next remainder
                 mid = rest.to(tl.bfloat16)
                 lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-                if DOT_F32:
+                if DOT_F32 and WEIGHT_A:
+                    x32 = tl.trans(xt.to(tl.float32))
+                    acc = tl.dot(lo.to(tl.float32), x32, acc, input_precision="ieee")
+                    acc = tl.dot(mid.to(tl.float32), x32, acc, input_precision="ieee")
+                    acc = tl.dot(hi.to(tl.float32), x32, acc, input_precision="ieee")
+                elif DOT_F32:
                     x32 = xt.to(tl.float32)
                     acc = tl.dot(x32, tl.trans(lo.to(tl.float32)), acc, input_precision="ieee")
                     acc = tl.dot(x32, tl.trans(mid.to(tl.float32)), acc, input_precision="ieee")
                     acc = tl.dot(x32, tl.trans(hi.to(tl.float32)), acc, input_precision="ieee")
+                elif WEIGHT_A:  # as below, [experts, tokens]
+                    xs = tl.trans(xt)
+                    step = tl.dot(lo, xs)
+                    step = tl.dot(mid, xs, step)
+                    acc += tl.dot(hi, xs, step)
                 else:  # smallest part first, each step's sum added to acc on the CUDA cores
                     step = tl.dot(xt, tl.trans(lo))
                     step = tl.dot(xt, tl.trans(mid), step)
                     acc += tl.dot(xt, tl.trans(hi), step)
             else:
                 acc += tl.dot(xt.to(tl.float32), tl.trans(wt), input_precision="ieee")
-        tl.store(part_ptr + (ps * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+        if WEIGHT_A:
+            tl.store(part_ptr + (ps * T + t[None, :]) * E + e[:, None], acc, mask=t_ok[None, :] & e_ok[:, None])
+        else:
+            tl.store(part_ptr + (ps * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -421,7 +446,8 @@ def router_logit_partials(x: Tensor, gate_weight: Tensor, cfg: RouterConfig) -> 
     _router_logits_kernel[grid1](
         x, x.stride(0), gate_weight, part, T,
         E=E, H=H, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, H_PER_SPLIT=cfg.h_per_split,
-        BF16_SPLIT=cfg.bf16_split, DOT_F32=interpreting(), num_warps=cfg.gemv_warps, num_stages=3,
+        BF16_SPLIT=cfg.bf16_split, WEIGHT_A=cfg.weight_a, DOT_F32=interpreting(), num_warps=cfg.gemv_warps,
+        num_stages=3,
         **pdl_launch(x.device),
     )
     return part
