@@ -2,7 +2,9 @@
 
 The step: ``--requests`` decode rows (one token each, context ``--contexts``) over one sparse
 layer at rank-of-8 shapes (1 kv head = 1 index head, head_dim 128, index dim 128, block 128,
-top-16), every cache slot random, the block table as wide as the context. Timed, GPU only
+top-16), every cache slot random, the block table as wide as the context or, with
+``--capacity``, as a deployment's (its longest sequence: a decode graph's grid and merge are
+sized by it, whatever the context). Timed, GPU only
 (``triton.testing.do_bench`` of a CUDA graph of the op, L2 flushed before each replay, median):
 - ``index``: ``index_topk_decode`` (partial kernel + merge), with the index-K bytes it streams
   (every block before each row's local one) and the bandwidth that makes;
@@ -51,7 +53,8 @@ class DecodeStep:
     """``rows`` decode requests at context ``ctx`` (plus ``prefill`` tokens of one more request
     ending at ``ctx`` when asked), one sparse layer, caches in ``kv``."""
 
-    def __init__(self, d: Dims, rows: int, ctx: int, kv: torch.dtype, device: str, prefill: int = 0) -> None:
+    def __init__(self, d: Dims, rows: int, ctx: int, kv: torch.dtype, device: str, prefill: int = 0,
+                 capacity: int = 0) -> None:
         from attention import metadata as md
         from kvcache.paged import KVCacheConfig, PagedKVCache
         from steps import TokenChunk
@@ -60,7 +63,8 @@ class DecodeStep:
         pages = -(-ctx // d.block)
         self.cache = c = PagedKVCache(KVCacheConfig(
             num_layers=1, sparse_layers=(0,), num_kv_heads=1, head_dim=d.head_dim, index_dim=d.index_dim,
-            page_size=d.block, num_pages=pages * len(specs) + 1, max_seqs=len(specs), max_pages_per_seq=pages,
+            page_size=d.block, num_pages=pages * len(specs) + 1, max_seqs=len(specs),
+            max_pages_per_seq=max(pages, -(-capacity // d.block)),
             dtype=kv, index_dtype=kv, device=device))
         for i, (n, q) in enumerate(specs):
             c.add_sequence(i)
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", default="1,8,32", help="decode rows, comma-separated")
     ap.add_argument("--contexts", default="65536,131072", help="contexts, comma-separated")
     ap.add_argument("--kv", default="bf16,fp8")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="block-table width in tokens (default: each context's own)")
     ap.add_argument("--prefill", action="store_true", help="also the tiled prefill indexer, per kernel")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode partial kernel's chunk and launch")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, host timing (CPU: the interpreter)")
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         for kv_name in a.kv.split(","):
             kv = DTYPES[kv_name]
             for R in [int(x) for x in a.requests.split(",")]:
-                st = DecodeStep(dims, R, ctx, kv, device)
+                st = DecodeStep(dims, R, ctx, kv, device, capacity=a.capacity)
 
                 def index(st=st) -> None:
                     indexer.index_topk_decode(st.iq, st.ik, st.meta, dims.topk, st.sel)
@@ -152,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
                 mismatch = selection_mismatch(st, dims)
                 time_of = timer if a.smoke else timer.graph
                 t_index, t_attn, t_both = (time_of(f) for f in (index, attention, both))
-                row = dict(ctx=ctx, kv=kv_name, requests=R, index_us=round(t_index, 1), attention_us=round(t_attn, 1),
-                           sparse_us=round(t_both, 1), index_mb=round(st.index_bytes / 1e6, 1),
+                row = dict(ctx=ctx, capacity=max(ctx, a.capacity), kv=kv_name, requests=R, index_us=round(t_index, 1),
+                           attention_us=round(t_attn, 1), sparse_us=round(t_both, 1),
+                           index_mb=round(st.index_bytes / 1e6, 1),
                            index_tb_s=round(st.index_bytes / t_index / 1e6, 2), rows_differing=mismatch)
                 rows_out.append(row)
-                print(f"ctx {ctx:7d} {kv_name:4s} decode {R:3d}: index {t_index:7.1f} us ({row['index_tb_s']:.2f} "
-                      f"TB/s over {row['index_mb']:.0f} MB)  attention {t_attn:6.1f}  both {t_both:7.1f} us  "
-                      f"rows differing {mismatch:.1e}", flush=True)
+                print(f"ctx {ctx:7d} cap {row['capacity']:7d} {kv_name:4s} decode {R:3d}: index {t_index:7.1f} us "
+                      f"({row['index_tb_s']:.2f} TB/s over {row['index_mb']:.0f} MB)  attention {t_attn:6.1f}  "
+                      f"both {t_both:7.1f} us  rows differing {mismatch:.1e}", flush=True)
                 del st
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
     sweep_out = []
