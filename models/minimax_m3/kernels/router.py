@@ -188,6 +188,23 @@ def route_torch(
 # Triton
 
 
+@triton.jit
+def _part_dot(xt, part, acc, WEIGHT_A: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc`` plus the product of the token tile ``xt [BLOCK_T, BLOCK_H]`` and one weight part
+    ``[BLOCK_E, BLOCK_H]``: ``[BLOCK_E, BLOCK_T]`` with ``WEIGHT_A`` (the part as the dot's
+    first operand), else ``[BLOCK_T, BLOCK_E]``; true fp32 dots under ``DOT_F32``."""
+    if DOT_F32:
+        if WEIGHT_A:
+            out = tl.dot(part.to(tl.float32), tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            out = tl.dot(xt.to(tl.float32), tl.trans(part.to(tl.float32)), acc, input_precision="ieee")
+    elif WEIGHT_A:
+        out = tl.dot(part, tl.trans(xt), acc)
+    else:
+        out = tl.dot(xt, tl.trans(part), acc)
+    return out
+
+
 # T unspecialised (no divisible-by-16 build): eager steps of any size share one build per config.
 @triton.jit(do_not_specialize=["T"])
 def _router_logits_kernel(
@@ -253,25 +270,14 @@ def _router_logits_kernel(
                 rest = wt - hi.to(tl.float32)  # exact in fp32, as is the next remainder
                 mid = rest.to(tl.bfloat16)
                 lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-                if DOT_F32 and WEIGHT_A:
-                    x32 = tl.trans(xt.to(tl.float32))
-                    acc = tl.dot(lo.to(tl.float32), x32, acc, input_precision="ieee")
-                    acc = tl.dot(mid.to(tl.float32), x32, acc, input_precision="ieee")
-                    acc = tl.dot(hi.to(tl.float32), x32, acc, input_precision="ieee")
-                elif DOT_F32:
-                    x32 = xt.to(tl.float32)
-                    acc = tl.dot(x32, tl.trans(lo.to(tl.float32)), acc, input_precision="ieee")
-                    acc = tl.dot(x32, tl.trans(mid.to(tl.float32)), acc, input_precision="ieee")
-                    acc = tl.dot(x32, tl.trans(hi.to(tl.float32)), acc, input_precision="ieee")
-                elif WEIGHT_A:  # as below, [experts, tokens]
-                    xs = tl.trans(xt)
-                    step = tl.dot(lo, xs)
-                    step = tl.dot(mid, xs, step)
-                    acc += tl.dot(hi, xs, step)
+                if DOT_F32:
+                    acc = _part_dot(xt, lo, acc, WEIGHT_A, True)
+                    acc = _part_dot(xt, mid, acc, WEIGHT_A, True)
+                    acc = _part_dot(xt, hi, acc, WEIGHT_A, True)
                 else:  # smallest part first, each step's sum added to acc on the CUDA cores
-                    step = tl.dot(xt, tl.trans(lo))
-                    step = tl.dot(xt, tl.trans(mid), step)
-                    acc += tl.dot(xt, tl.trans(hi), step)
+                    step = _part_dot(xt, lo, None, WEIGHT_A, False)
+                    step = _part_dot(xt, mid, step, WEIGHT_A, False)
+                    acc += _part_dot(xt, hi, step, WEIGHT_A, False)
             else:
                 acc += tl.dot(xt.to(tl.float32), tl.trans(wt), input_precision="ieee")
         if WEIGHT_A:
