@@ -176,13 +176,16 @@ def test_tiled_indexer_matches_reference_and_untiled(name, block_t):
     assert torch.equal(out, untiled)
 
 
-def test_tiled_indexer_long_context_full_pages_and_merge_pieces(monkeypatch):
+@pytest.mark.parametrize("rank_piece", [4, 64])
+def test_tiled_indexer_long_context_full_pages_and_merge_pieces(monkeypatch, rank_piece):
     """Pages that fill the key tile (16 positions: the unmasked loop over wholly visible blocks
     runs beside the masked one) over a dozen blocks, with the merge streaming its candidates
-    in pieces of 8 (several pieces per row); the chunk given (4 blocks) and the default.
-    Equals the reference and the untiled kernel."""
+    in pieces of 8 (several pieces per row) where a ranked piece of 4 does not hold them, or
+    ranking every row's in one piece of 64; the chunk given (4 blocks) and the default. Equals
+    the reference and the untiled kernel."""
     piece = 8
     monkeypatch.setattr(indexer_triton, "merge_piece", lambda n, stable: piece)
+    monkeypatch.setattr(indexer_triton, "RANK_PIECE", rank_piece)
     sc = Scenario([(150, 1), (200, 37), (90, 1)], hq=4, hkv=2, d=16, bs=16, topk=5, seed=5)
     ref = sc.ref_selection()
     for chunk in (4, None):

@@ -117,6 +117,25 @@ def test_decode_merge_in_last_program_equals_merge_launch(chunk):
     assert int(arrival_counters(sc.iq.device, 1).abs().sum()) == 0
 
 
+@pytest.mark.parametrize(("rank_piece", "piece", "merge_last"), [(4, 4, True), (4, 4, False), (4, 64, True),
+                                                                 (64, 4, True), (64, 4, False)])
+def test_decode_merge_by_rank_or_rounds_of_max(monkeypatch, rank_piece, piece, merge_last):
+    """A row whose written candidates fit one ranked piece takes its best by rank, a longer
+    one by rounds of max over pieces (several per row at 4: the running list merged with
+    each piece's). With ranked pieces of 4 the rows here take both paths (2 to 16 candidates);
+    of 64, all are ranked. The reference's selections every way, in the merge launch and in
+    the last chunk program."""
+    monkeypatch.setattr(indexer_triton, "merge_piece", lambda n, stable: piece)
+    monkeypatch.setattr(indexer_triton, "RANK_PIECE", rank_piece)
+    sc = Scenario([(41, 1), (7, 1), (64, 1), (1, 1)], 2, 32, 4, seed=40 + piece + rank_piece, spare_pages=12)
+    rows = sc.T + 3
+    out = poisoned(sc, 4, rows)
+    indexer_triton.index_topk_decode(sc.iq[:rows], sc.cache.index_k_cache[0], sc.meta, 4, out, 2,
+                                     merge_last=merge_last)
+    assert (out[:, sc.T:] == -1).all(), "pad rows must select nothing"
+    assert_same_selection(out, run_ref(sc, 4))
+
+
 def test_decode_reads_only_device_buffers():
     """The graph-safety contract on CPU: after a re-plan (new contexts, pages, batch), a call
     holding the *old* metadata object must still see the new step through the buffers."""
@@ -198,7 +217,7 @@ def test_kernels_compile_for_hopper():
                 indexer_triton.TILE_STAGES]
 
     def merge(block_c, bucket=False):  # bucket: the merge that fills block-major attention's buckets
-        c = dict(HIDX=1, BLOCK_C=block_c, TOPK=16, TOPK_PAD=16, CHUNK=16, KP=16,
+        c = dict(HIDX=1, BLOCK_C=block_c, BLOCK_R=indexer_triton.RANK_PIECE, TOPK=16, TOPK_PAD=16, CHUNK=16, KP=16,
                  **(dict(BUCKET=True, G=8, PAIRS=32) if bucket else {}))
         ptrs = dict(IDX_PTRS, req_ptr="i32", counts_ptr="i32", pairs_ptr="i32", plse_ptr="fp32", tiles_ptr="i32")
         return ["attention.kernels.indexer", "_merge_kernel", c, ptrs, [], 1, 3]
@@ -206,7 +225,8 @@ def test_kernels_compile_for_hopper():
     def row(h, chunk, fp8=False, merge_last=False):  # the one-token (decode rows) kernel, as _launch runs it
         c = dict(HIDX=h, DI=128, HP=indexer_triton.row_heads(h, fp8), BLOCK_N=128, BLOCK_D=128, CHUNK=chunk,
                  KP=min(15, chunk), DOT_F32=False, FP8_DOT=fp8,
-                 **(dict(MERGE_LAST=True, BLOCK_C=512, TOPK=16, TOPK_PAD=16) if merge_last else {}))
+                 **(dict(MERGE_LAST=True, BLOCK_C=512, BLOCK_R=indexer_triton.RANK_PIECE, TOPK=16, TOPK_PAD=16)
+                    if merge_last else {}))
         ptrs = dict(IDX_PTRS, **({"ik_ptr": "fp8e4nv"} if fp8 else {}))
         return ["attention.kernels.indexer", "_row_partial_kernel", c, ptrs, [], indexer_triton.ROW_CONFIG["num_warps"],
                 indexer_triton.ROW_CONFIG["num_stages"]]
