@@ -29,7 +29,10 @@ Decode (``index_topk_decode``) is graph-safe: the grid is (``T``, capacity chunk
 ``T`` is the batch's row count and the capacity is the block table's width; positions,
 sequence rows, slots and block tables are read from device buffers (a query at position
 ``p`` sees keys ``<= p``, so kv lengths are not needed), and chunks past a sequence's last
-block do no loads. Prefill (``index_topk_prefill``) sizes the chunk count from the host's
+block do no loads. The capacity sizes the grid, so a decode row whose context fills less
+than half of it strides its chunks (chunk ``c`` holds blocks ``c, c + NC, ...``): a context
+far shorter than the capacity still spreads over the row's programs rather than filling the
+first chunk or two. Prefill (``index_topk_prefill``) sizes the chunk count from the host's
 ``max_kv_len`` and tiles several tokens per program so index-K tiles are reused: either the
 fixed grid of ``tile * BLOCK_T`` rows (tiles may straddle requests; the partial kernel then
 visits each sequence of a tile in turn) or an explicit list of ``(start, end)`` row ranges
@@ -161,11 +164,35 @@ def _tile_candidates(
 
 
 @triton.jit
+def _strided(local, NC, CHUNK: tl.constexpr, STRIDED: tl.constexpr):
+    """Whether a row's chunks are strided (chunk ``c`` holds blocks ``c, c + NC, ...``) rather
+    than ``CHUNK`` consecutive blocks: with ``STRIDED`` (decode rows), a row whose blocks fill
+    less than half of the ``NC * CHUNK`` the block table's width sized. A short context in a
+    wide table then spreads over all of its row's programs (consecutive chunks put it in the
+    first one or two); a longer one keeps consecutive chunks, whose pages are read in order
+    (H100, 64K context in a 128K table: strided chunks 1-3% slower)."""
+    if STRIDED:
+        s = 2 * local < NC * CHUNK
+    else:
+        s = local < -1  # never (a row's local block is >= 0): consecutive chunks
+    return s
+
+
+@triton.jit
+def _chunks_run(local, NC, CHUNK: tl.constexpr, strided):
+    """How many of a row's ``NC`` chunk programs write candidates (chunks ``0 .. n - 1``): those
+    holding a block up to the local one (``strided``, :func:`_strided`: chunk ``c`` starts at
+    block ``c``)."""
+    return tl.minimum(NC, tl.where(strided, local + 1, local // CHUNK + 1))
+
+
+@triton.jit
 def _row_candidates(
     iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s,
     bt_ptr, stride_bt, table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, tok, c,
     HIDX: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
+    STRIDED: tl.constexpr = False,
 ):
     """The candidates of the one token row ``tok`` in chunk ``c``, from a dot with the block's
     keys as its rows, ``[BLOCK_N keys, D] x [D, HP]`` (the token's index heads, padded to
@@ -181,11 +208,18 @@ def _row_candidates(
     Only blocks before the token's local block are scored: they hold no key past its position
     (no causal mask), and the merge forces the local block in. A padded row (slot -1) and
     chunks past the local block (decode launches at block-table capacity) write nothing: the
-    merge reads neither."""
+    merge reads neither.
+
+    ``STRIDED``: a short context's chunks are strided (:func:`_strided`), so its blocks spread
+    over the row's programs whatever the capacity that sized the grid. A chunk holding at most
+    ``KP`` blocks stores its keys as they are, with no rounds of max."""
     slot = tl.load(slot_ptr + tok)
     local = tl.load(pos_ptr + tok).to(tl.int32) // page_size
-    b0 = c * CHUNK
-    if (slot >= 0) & (b0 <= local):
+    strided = _strided(local, NC, CHUNK, STRIDED)
+    blk = tl.where(strided, c + tl.arange(0, CHUNK) * NC, c * CHUNK + tl.arange(0, CHUNK))  # this chunk's blocks
+    # of them before the local block
+    n_mine = tl.where(strided, tl.where(local > c, (local - c + NC - 1) // NC, 0), tl.minimum(CHUNK, local - c * CHUNK))
+    if (slot >= 0) & (c < _chunks_run(local, NC, CHUNK, strided)):
         h = tl.arange(0, HP)
         d = tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
@@ -205,10 +239,9 @@ def _row_candidates(
         srow = tl.load(table_rows_ptr + tl.load(token_seq_ptr + tok))
         bt_row = bt_ptr + srow.to(tl.int64) * stride_bt
         S = tl.full([CHUNK, HP], float("-inf"), tl.float32)
-        b_end = tl.minimum(b0 + CHUNK, local)
-        pages = tl.load(bt_row + b0 + cols, mask=b0 + cols < b_end, other=-1)
-        for b in range(b0, b_end):
-            page = entry_at(pages, cols, b - b0)
+        pages = tl.load(bt_row + blk, mask=cols < n_mine, other=-1)
+        for j in range(0, n_mine):
+            page = entry_at(pages, cols, j)
             kt = tl.load(ik_ptr + page.to(tl.int64) * stride_ik_p + n[:, None] * stride_ik_s + d[None, :],
                          mask=(n[:, None] < page_size) & (d[None, :] < DI) & (page >= 0), other=0.0)
             if DOT_F32:
@@ -219,11 +252,13 @@ def _row_candidates(
             else:
                 sc = tl.dot(kt.to(q.dtype), tl.trans(q))
             bs = tl.max(tl.where(n[:, None] < page_size, sc, float("-inf")), axis=0)  # [HP]
-            S = tl.where(cols[:, None] == b - b0, bs[None, :], S)
-        keys = _pack_keys(S, b0 + cols[:, None])
+            S = tl.where(cols[:, None] == j, bs[None, :], S)
+        keys = _pack_keys(S, blk[:, None])
         out = part_ptr + ((tok.to(tl.int64) * HIDX + h) * NC + c) * KP
         if KP == CHUNK:
             tl.store(out[None, :] + cols[:, None], keys, mask=h[None, :] < HIDX)
+        elif n_mine <= KP:  # every scored block is a candidate; the rest are -inf keys
+            tl.store(out[None, :] + cols[:, None], keys, mask=(cols[:, None] < KP) & (h[None, :] < HIDX))
         else:
             for k in tl.static_range(KP):
                 best = tl.max(keys, axis=0)
@@ -278,31 +313,33 @@ def _row_partial_kernel(
     HIDX: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr, DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
     MERGE_LAST: tl.constexpr = False, BLOCK_C: tl.constexpr = 16, TOPK: tl.constexpr = 16,
-    TOPK_PAD: tl.constexpr = 16, BLOCK_R: tl.constexpr = 16, PDL: tl.constexpr = 0,
+    TOPK_PAD: tl.constexpr = 16, BLOCK_R: tl.constexpr = 16, PDL: tl.constexpr = 0, STRIDED: tl.constexpr = False,
 ):
     """``_partial_kernel`` for one token per program (decode rows): program ``(i, c)`` is token
-    ``i`` in chunk ``c`` (:func:`_row_candidates`). ``MERGE_LAST``: the last of a row's chunk
-    programs to finish merges the row (``arrival``: the chunks up to its local block count; a
-    padded row's selection is written by its chunk 0), with no merge launch after."""
+    ``i`` in chunk ``c`` (:func:`_row_candidates`, ``STRIDED`` chunks or consecutive ones).
+    ``MERGE_LAST``: the last of a row's chunk programs to finish merges the row (``arrival``:
+    the chunks that ran count, :func:`_chunks_run`; a padded row's selection is written by its
+    chunk 0), with no merge launch after."""
     grid_dependency(PDL)
     tok = tl.program_id(0)
     c = tl.program_id(1)
     _row_candidates(iq_ptr, stride_iq_t, stride_iq_h, ik_ptr, stride_ik_p, stride_ik_s, bt_ptr, stride_bt,
                     table_rows_ptr, token_seq_ptr, pos_ptr, slot_ptr, part_ptr, page_size, NC, tok, c,
-                    HIDX, DI, HP, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FP8_DOT)
+                    HIDX, DI, HP, BLOCK_N, BLOCK_D, CHUNK, KP, DOT_F32, FP8_DOT, STRIDED)
     if MERGE_LAST:
         slot = tl.load(slot_ptr + tok)
         local = tl.load(pos_ptr + tok).to(tl.int32) // page_size
         if slot >= 0:
-            if c * CHUNK <= local:
-                if arrive(count_ptr + tok, tl.minimum(NC, local // CHUNK + 1)):
+            n_run = _chunks_run(local, NC, CHUNK, _strided(local, NC, CHUNK, STRIDED))
+            if c < n_run:
+                if arrive(count_ptr + tok, n_run):
                     for h in tl.static_range(HIDX):
-                        _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, tok, h, slot, local, NC * KP,
-                                   HIDX, BLOCK_C, BLOCK_R, TOPK, TOPK_PAD, CHUNK, KP)
+                        _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, tok, h, slot, local, NC, HIDX,
+                                   BLOCK_C, BLOCK_R, TOPK, TOPK_PAD, CHUNK, KP, STRIDED)
         elif c == 0:
             for h in tl.static_range(HIDX):
-                _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, tok, h, slot, local, NC * KP,
-                           HIDX, BLOCK_C, BLOCK_R, TOPK, TOPK_PAD, CHUNK, KP)
+                _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, tok, h, slot, local, NC, HIDX,
+                           BLOCK_C, BLOCK_R, TOPK, TOPK_PAD, CHUNK, KP, STRIDED)
 
 
 @triton.jit
@@ -343,32 +380,47 @@ def _rank_top_keys(keys, n, kk, TOPK_PAD: tl.constexpr):
 
 
 @triton.jit
-def _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot, local, NCAND,
+def _candidate_slot(i, by_block, NC, KP: tl.constexpr):
+    """Where a row's candidate ``i`` is in its ``NC * KP`` slots: block ``i``'s key, entry ``i //
+    NC`` of strided chunk ``i % NC`` (``by_block``), else slot ``i``."""
+    return tl.where(by_block, (i % NC) * KP + i // NC, i)
+
+
+@triton.jit
+def _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot, local, NC,
                HIDX: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, TOPK: tl.constexpr,
-               TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr):
-    """Row ``t``'s selection for head ``h``: the best ``TOPK - 1`` of its ``NCAND`` candidates
-    (a runtime count, so one build serves every context length) and its local block. The
-    candidates the partial kernel wrote (a short context writes few of a long capacity's) are
-    ranked in one piece when ``BLOCK_R`` holds them (:func:`_rank_top_keys`), else streamed in
-    pieces of ``BLOCK_C``, each piece's best by rounds of max merged into the running list.
-    The same keys either way. A padded row (``slot < 0``) gets ``-1`` throughout. The
-    candidates are read through L2 (``.cg``): a partial program that merges (``arrival``) reads
-    what programs on other SMs have just written."""
+               TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr, STRIDED: tl.constexpr = False):
+    """Row ``t``'s selection for head ``h``: the best ``TOPK - 1`` of the candidates its chunks
+    wrote (``KP`` a chunk, ``NC`` chunks: a runtime count, so one build serves every context
+    length; strided chunks where :func:`_strided` says) and its local block. Strided
+    chunks that each hold at most ``KP`` blocks stored every block's key as it is, block ``b``
+    as entry ``b // NC`` of chunk ``b % NC``: the candidates are then the row's ``local``
+    scored blocks, read there (not the ``KP`` slots of every chunk, mostly empty at a short
+    context in a wide table). The candidates are ranked in one piece when ``BLOCK_R`` holds
+    them (:func:`_rank_top_keys`), else streamed in pieces of ``BLOCK_C``, each piece's best by
+    rounds of max merged into the running list. The same keys every way. A padded row (``slot
+    < 0``) gets ``-1`` throughout. The candidates are read through L2 (``.cg``): a partial
+    program that merges (``arrival``) reads what programs on other SMs have just written."""
     ok = slot >= 0
     n_other = tl.where(ok, tl.minimum(local, TOPK - 1), -1)  # non-local blocks to pick
     kk = tl.arange(0, TOPK_PAD)
-    row = part_ptr + (t.to(tl.int64) * HIDX + h) * NCAND
-    n_written = tl.where(ok, tl.minimum(NCAND, (local // CHUNK + 1) * KP), 0)  # chunks the partial kernel ran
-    if n_written <= BLOCK_R:
+    row = part_ptr + (t.to(tl.int64) * HIDX + h) * NC * KP
+    strided = _strided(local, NC, CHUNK, STRIDED)
+    n_cand = tl.where(ok, _chunks_run(local, NC, CHUNK, strided) * KP, 0)
+    # strided chunks that all stored their blocks' keys: read by block (else the slots in order)
+    by_block = ok & strided & (tl.cdiv(local, NC) <= KP)
+    n_cand = tl.where(by_block, local, n_cand)
+    if n_cand <= BLOCK_R:
         cr = tl.arange(0, BLOCK_R)
-        best = _rank_top_keys(tl.load(row + cr, mask=cr < n_written, other=-9223372036854775807,
-                                      cache_modifier=".cg"), n_other, kk, TOPK_PAD)
+        best = _rank_top_keys(tl.load(row + _candidate_slot(cr, by_block, NC, KP), mask=cr < n_cand,
+                                      other=-9223372036854775807, cache_modifier=".cg"), n_other, kk, TOPK_PAD)
     else:
         ci = tl.arange(0, BLOCK_C)
-        best = _top_keys(tl.load(row + ci, mask=ci < n_written, other=-9223372036854775807, cache_modifier=".cg"),
-                         n_other, kk, TOPK_PAD)
-        for c0 in range(BLOCK_C, n_written, BLOCK_C):
-            keys = tl.load(row + c0 + ci, mask=c0 + ci < n_written, other=-9223372036854775807, cache_modifier=".cg")
+        best = _top_keys(tl.load(row + _candidate_slot(ci, by_block, NC, KP), mask=ci < n_cand,
+                                 other=-9223372036854775807, cache_modifier=".cg"), n_other, kk, TOPK_PAD)
+        for c0 in range(BLOCK_C, n_cand, BLOCK_C):
+            keys = tl.load(row + _candidate_slot(c0 + ci, by_block, NC, KP), mask=c0 + ci < n_cand,
+                           other=-9223372036854775807, cache_modifier=".cg")
             best = _merge_tops(best, _top_keys(keys, n_other, kk, TOPK_PAD), n_other, kk, TOPK_PAD)
     res = tl.where((kk < n_other) & (best > -9223372036854775807), 0x7FFFFFFF - best.to(tl.int32), -1)
     res = tl.where(kk == n_other, local, res)
@@ -376,13 +428,13 @@ def _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot, local,
     return res
 
 
-@triton.jit(do_not_specialize=["NCAND", "NB", "NCAP"])
+@triton.jit(do_not_specialize=["NC", "NB", "NCAP"])
 def _merge_kernel(
-    part_ptr, pos_ptr, slot_ptr, out_ptr, stride_out_h, stride_out_t, page_size, NCAND,
+    part_ptr, pos_ptr, slot_ptr, out_ptr, stride_out_h, stride_out_t, page_size, NC,
     token_seq_ptr, req_ptr, stride_req, counts_ptr, pairs_ptr, plse_ptr, tiles_ptr, NB, NCAP,
     HIDX: tl.constexpr, BLOCK_C: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     CHUNK: tl.constexpr, KP: tl.constexpr, BUCKET: tl.constexpr = False, G: tl.constexpr = 1,
-    PAIRS: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
+    PAIRS: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16, STRIDED: tl.constexpr = False,
 ):
     """Program ``(t, h)``: :func:`_merge_row` of row ``t``, head ``h``; with ``BUCKET`` the
     row's pairs then go into block-major attention's buckets (``sparse_blocks.bucket_rows``,
@@ -392,8 +444,8 @@ def _merge_kernel(
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     res = _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot,
-                     tl.load(pos_ptr + t).to(tl.int32) // page_size, NCAND, HIDX, BLOCK_C, BLOCK_R, TOPK, TOPK_PAD,
-                     CHUNK, KP)
+                     tl.load(pos_ptr + t).to(tl.int32) // page_size, NC, HIDX, BLOCK_C, BLOCK_R, TOPK, TOPK_PAD,
+                     CHUNK, KP, STRIDED)
     if BUCKET:
         one = tl.zeros([1], tl.int32)
         bucket_rows(res[None, :], t + one, (slot + one) >= 0, tl.arange(0, TOPK_PAD), h, token_seq_ptr, req_ptr,
@@ -489,12 +541,13 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
             buf.slot_mapping, part)
     merge = dict(BLOCK_C=merge_piece(nc * kp, stable=keep_all), BLOCK_R=RANK_PIECE, TOPK=topk,
                  TOPK_PAD=max(2, next_pow2(topk)))
-    merge_last = merge_last and tiles is None and block_t == 1
-    if tiles is None and block_t == 1:  # one token per program: its keys are the dot's rows
+    one_token = tiles is None and block_t == 1
+    merge_last = merge_last and one_token
+    if one_token:  # one token per program: its keys are the dot's rows; strided chunks
         counts = arrival_counters(iq.device, T) if merge_last else part  # unread without MERGE_LAST
         _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1), counts,
                                              HP=row_heads(H, fp8_dot), **common, MERGE_LAST=merge_last, **merge,
-                                             **ROW_CONFIG, **pdl_launch(iq.device))
+                                             STRIDED=True, **ROW_CONFIG, **pdl_launch(iq.device))
     else:
         # fp8 dots take Hopper's wgmma only from 64 rows (below it Triton widens both sides
         # to f16 for mma.sync, the conversion fp8 is meant to avoid): pad the tile to 64.
@@ -512,7 +565,8 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
             bucket_args = buckets.kernel_args(meta)
             bucket = dict(BUCKET=True, G=buckets.group, PAIRS=buckets.pairs_per_item)
         _merge_kernel[(T, H)](part, buf.positions, buf.slot_mapping, out, out.stride(0), out.stride(1), meta.page_size,
-                              nc * kp, *bucket_args, HIDX=H, CHUNK=chunk, KP=kp, **merge, **bucket, num_warps=1)
+                              nc, *bucket_args, HIDX=H, CHUNK=chunk, KP=kp, **merge, **bucket, STRIDED=one_token,
+                              num_warps=1)
 
 
 def decode_chunk(num_tokens: int, num_blocks: int, device: torch.device, key_bytes: int = 2) -> int:

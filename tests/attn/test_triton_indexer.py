@@ -136,6 +136,30 @@ def test_decode_merge_by_rank_or_rounds_of_max(monkeypatch, rank_piece, piece, m
     assert_same_selection(out, run_ref(sc, 4))
 
 
+@pytest.mark.parametrize(("chunk", "spare_pages", "merge_last", "rank_piece"),
+                         [(8, 0, True, 64), (8, 0, False, 4), (8, 60, True, 64), (8, 60, False, 4), (4, 60, True, 4),
+                          (4, 60, False, 64), (1, 60, True, 64)])
+def test_decode_strided_chunks(monkeypatch, chunk, spare_pages, merge_last, rank_piece):
+    """A decode row whose blocks fill less than half of the table's chunks strides them (chunk
+    ``c`` holds blocks ``c, c + NC, ...``): in a block table far wider than the contexts (60
+    spare pages, as a deployment's capacity) every row's blocks spread one or two to a
+    program, which store their keys as they are, and the merge reads each block's key where
+    its chunk put it. In a table as narrow as the longest context (two chunks of 8) the short
+    rows stride and the long ones keep consecutive chunks, a full one taking rounds of max for
+    its 3 best and a chunk of 2 blocks storing them as they are; the merge reads every chunk's
+    3. Ranked pieces of 4 send most rows' merges through rounds of max, of 64 all through
+    ranking. The reference's selections, in the last chunk program and in the merge launch."""
+    monkeypatch.setattr(indexer_triton, "RANK_PIECE", rank_piece)
+    sc = Scenario([(41, 1), (7, 1), (64, 1), (1, 1), (30, 1)], 2, 32, 4, seed=60 + chunk + spare_pages,
+                  spare_pages=spare_pages)
+    rows = sc.T + 2
+    out = poisoned(sc, 4, rows)
+    indexer_triton.index_topk_decode(sc.iq[:rows], sc.cache.index_k_cache[0], sc.meta, 4, out, chunk,
+                                     merge_last=merge_last)
+    assert (out[:, sc.T:] == -1).all(), "pad rows must select nothing"
+    assert_same_selection(out, run_ref(sc, 4))
+
+
 def test_decode_reads_only_device_buffers():
     """The graph-safety contract on CPU: after a re-plan (new contexts, pages, batch), a call
     holding the *old* metadata object must still see the new step through the buffers."""
@@ -224,7 +248,7 @@ def test_kernels_compile_for_hopper():
 
     def row(h, chunk, fp8=False, merge_last=False):  # the one-token (decode rows) kernel, as _launch runs it
         c = dict(HIDX=h, DI=128, HP=indexer_triton.row_heads(h, fp8), BLOCK_N=128, BLOCK_D=128, CHUNK=chunk,
-                 KP=min(15, chunk), DOT_F32=False, FP8_DOT=fp8,
+                 KP=min(15, chunk), DOT_F32=False, FP8_DOT=fp8, STRIDED=True,
                  **(dict(MERGE_LAST=True, BLOCK_C=512, BLOCK_R=indexer_triton.RANK_PIECE, TOPK=16, TOPK_PAD=16)
                     if merge_last else {}))
         ptrs = dict(IDX_PTRS, **({"ik_ptr": "fp8e4nv"} if fp8 else {}))
