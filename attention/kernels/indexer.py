@@ -169,8 +169,8 @@ def _strided(local, NC, CHUNK: tl.constexpr, STRIDED: tl.constexpr):
     than ``CHUNK`` consecutive blocks: with ``STRIDED`` (decode rows), a row whose blocks fill
     less than half of the ``NC * CHUNK`` the block table's width sized. A short context in a
     wide table then spreads over all of its row's programs (consecutive chunks put it in the
-    first one or two); a longer one keeps consecutive chunks, whose pages are read in order
-    (H100, 64K context in a 128K table: strided chunks 1-3% slower)."""
+    first one or two); a longer one keeps consecutive chunks (H100, 64K context in a 128K
+    table: striding every row was 1.4-5.7% slower, BENCHMARKS.md seventeenth round)."""
     if STRIDED:
         s = 2 * local < NC * CHUNK
     else:
@@ -543,7 +543,7 @@ def _launch(iq: Tensor, index_k_l: Tensor, meta: AttentionMetadata, out: Tensor,
                  TOPK_PAD=max(2, next_pow2(topk)))
     one_token = tiles is None and block_t == 1
     merge_last = merge_last and one_token
-    if one_token:  # one token per program: its keys are the dot's rows; strided chunks
+    if one_token:  # one token per program: its keys are the dot's rows; a short row's chunks strided
         counts = arrival_counters(iq.device, T) if merge_last else part  # unread without MERGE_LAST
         _row_partial_kernel[(programs, nc)](*args, meta.page_size, nc, out, out.stride(0), out.stride(1), counts,
                                              HP=row_heads(H, fp8_dot), **common, MERGE_LAST=merge_last, **merge,
