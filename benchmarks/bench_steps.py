@@ -21,6 +21,10 @@ default), ``uniform`` or ``balanced`` (the device-side simulation), ``--concentr
 router of uncalibrated random weights, which sends a batch to a few experts: what earlier
 figures measured). The expert spread of a decode step of 32 is printed and stored; MoE GPU time
 per MoE layer (the fused MoE kernels, ``_moe_*``) is reported beside the total.
+
+The block tables are as wide as the longest sequence the step needs unless ``--max-seq-len``
+widens them to a deployment's (e.g. 131072): a decode graph's indexer grid is sized by that
+width, so a short context in a wide table is what a serving engine runs.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ def main() -> None:
     p.add_argument("--preset", default="rank-of-8")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--context", type=int, default=3000)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="block-table width in tokens, as a deployment's longest sequence (a decode graph's sparse "
+                        "attention grids are sized by it); default: the context plus the mixed step's tokens")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--label", default="", help="names the checkout in the JSON (e.g. before / after)")
     p.add_argument("--routing", default="model", help="model | uniform | balanced")
@@ -122,8 +129,9 @@ def main() -> None:
     if args.routing != "model" or args.concentrated:  # an older checkout has neither argument
         routing.update(routing=args.routing, balance_routing=not args.concentrated)
     t0 = time.perf_counter()
+    max_seq_len = max(args.max_seq_len or 0, args.context + max_tokens + 8)
     runner = build_from_preset(config, "cuda", torch.bfloat16, backend=args.backend, max_tokens=max_tokens,
-                               max_seqs=n_req, max_seq_len=args.context + max_tokens + 8, num_pages=pages,
+                               max_seqs=n_req, max_seq_len=max_seq_len, num_pages=pages,
                                capture=CaptureConfig(enabled=True, max_tokens=max_tokens), **routing)
     build_s = time.perf_counter() - t0
     weights_gib = sum(t.numel() * t.element_size() for t in runner.model.parameters()) / 2**30
@@ -211,7 +219,8 @@ def main() -> None:
         print(f"{args.label:>8} chose {line}", flush=True)
     chosen += chosen_rest
     res = dict(label=args.label, gpu=torch.cuda.get_device_name(), pdl=pdl_mode(), preset=args.preset, layers=layers,
-               context=args.context, requests=n_req, mixed_decodes=md, chunk=chunk, iters=args.iters,
+               context=args.context, max_seq_len=max_seq_len, requests=n_req, mixed_decodes=md, chunk=chunk,
+               iters=args.iters,
                build_s=round(build_s, 2), capture_s=round(capture_s, 2), kernel_choices=chosen,
                backend=args.backend, kv_dtype=args.kv_dtype or "bf16",
                routing=args.routing, concentrated=args.concentrated, quantization=args.quantization,
