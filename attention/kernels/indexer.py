@@ -380,10 +380,13 @@ def _rank_top_keys(keys, n, kk, TOPK_PAD: tl.constexpr):
 
 
 @triton.jit
-def _candidate_slot(i, by_block, NC, KP: tl.constexpr):
-    """Where a row's candidate ``i`` is in its ``NC * KP`` slots: block ``i``'s key, entry ``i //
-    NC`` of strided chunk ``i % NC`` (``by_block``), else slot ``i``."""
-    return tl.where(by_block, (i % NC) * KP + i // NC, i)
+def _load_candidates(row, i, n, by_block, NC, KP: tl.constexpr):
+    """A row's candidates ``i`` (the no-key value from ``n`` on) from its ``NC * KP`` slots at
+    ``row``: block ``i``'s key, entry ``i // NC`` of strided chunk ``i % NC`` (``by_block``), else
+    slot ``i``. Read through L2 (``.cg``): a partial program that merges (``arrival``) reads
+    what programs on other SMs have just written."""
+    return tl.load(row + tl.where(by_block, (i % NC) * KP + i // NC, i), mask=i < n, other=-9223372036854775807,
+                   cache_modifier=".cg")
 
 
 @triton.jit
@@ -399,28 +402,23 @@ def _merge_row(part_ptr, out_ptr, stride_out_h, stride_out_t, t, h, slot, local,
     context in a wide table). The candidates are ranked in one piece when ``BLOCK_R`` holds
     them (:func:`_rank_top_keys`), else streamed in pieces of ``BLOCK_C``, each piece's best by
     rounds of max merged into the running list. The same keys every way. A padded row (``slot
-    < 0``) gets ``-1`` throughout. The candidates are read through L2 (``.cg``): a partial
-    program that merges (``arrival``) reads what programs on other SMs have just written."""
+    < 0``) gets ``-1`` throughout."""
     ok = slot >= 0
     n_other = tl.where(ok, tl.minimum(local, TOPK - 1), -1)  # non-local blocks to pick
     kk = tl.arange(0, TOPK_PAD)
     row = part_ptr + (t.to(tl.int64) * HIDX + h) * NC * KP
     strided = _strided(local, NC, CHUNK, STRIDED)
-    n_cand = tl.where(ok, _chunks_run(local, NC, CHUNK, strided) * KP, 0)
     # strided chunks that all stored their blocks' keys: read by block (else the slots in order)
     by_block = ok & strided & (tl.cdiv(local, NC) <= KP)
-    n_cand = tl.where(by_block, local, n_cand)
+    n_cand = tl.where(by_block, local, tl.where(ok, _chunks_run(local, NC, CHUNK, strided) * KP, 0))
     if n_cand <= BLOCK_R:
         cr = tl.arange(0, BLOCK_R)
-        best = _rank_top_keys(tl.load(row + _candidate_slot(cr, by_block, NC, KP), mask=cr < n_cand,
-                                      other=-9223372036854775807, cache_modifier=".cg"), n_other, kk, TOPK_PAD)
+        best = _rank_top_keys(_load_candidates(row, cr, n_cand, by_block, NC, KP), n_other, kk, TOPK_PAD)
     else:
         ci = tl.arange(0, BLOCK_C)
-        best = _top_keys(tl.load(row + _candidate_slot(ci, by_block, NC, KP), mask=ci < n_cand,
-                                 other=-9223372036854775807, cache_modifier=".cg"), n_other, kk, TOPK_PAD)
+        best = _top_keys(_load_candidates(row, ci, n_cand, by_block, NC, KP), n_other, kk, TOPK_PAD)
         for c0 in range(BLOCK_C, n_cand, BLOCK_C):
-            keys = tl.load(row + _candidate_slot(c0 + ci, by_block, NC, KP), mask=c0 + ci < n_cand,
-                           other=-9223372036854775807, cache_modifier=".cg")
+            keys = _load_candidates(row, c0 + ci, n_cand, by_block, NC, KP)
             best = _merge_tops(best, _top_keys(keys, n_other, kk, TOPK_PAD), n_other, kk, TOPK_PAD)
     res = tl.where((kk < n_other) & (best > -9223372036854775807), 0x7FFFFFFF - best.to(tl.int32), -1)
     res = tl.where(kk == n_other, local, res)
