@@ -10,7 +10,9 @@ on the host; ``--iters`` runs after 3 warm-ups, the requests rewound after each)
 GPU-busy us (the sum of every kernel's duration in one profiled step, ``graphcap.report.
 measure_coverage``), per step and per layer, and the graph span (first in-graph kernel's start
 to the last one's end, gaps included: a decode step's replay; the figure to compare where
-kernels overlap under programmatic dependent launch, whose waits GPU-busy counts).
+kernels overlap under programmatic dependent launch, whose waits GPU-busy counts). With
+``--top-kernels N`` it prints the N kernels with the most GPU time and the N that take the most of
+the span (each kernel's time past the kernels that started before it).
 
 It uses only the runner API that every release has (``build_from_preset``, ``capture``,
 ``step``, ``make_step``, ``rewind_request``, ``manager``), so the same file measures an older
@@ -67,6 +69,16 @@ def top_kernels(cov, layers: int, n: int) -> dict[str, float]:
                                                       for kv in site.items()]:
         total[k[:40]] = total.get(k[:40], 0.0) + us
     return {k: round(us / layers, 1) for k, us in sorted(total.items(), key=lambda kv: -kv[1])[:n]}
+
+
+def exposed_kernels(cov, layers: int, n: int) -> dict[str, float]:
+    """The ``n`` kernels (and idle time) that take the most of the step's GPU span, us per
+    layer (``Coverage.exposed_us_by_name``: a kernel's time past the kernels before it, so
+    overlapped waits under programmatic dependent launch count once). Empty on checkouts
+    without it."""
+    if not n or not hasattr(cov, "exposed_us_by_name"):
+        return {}
+    return {k: round(us / layers, 1) for k, us in cov.exposed_us_by_name().most_common(n)}
 
 
 def kernel_choices(runner, sizes: list[int] | None) -> list[str]:
@@ -200,7 +212,8 @@ def main() -> None:
                           gpu_us_per_layer=round(cov.busy_us / layers, 1),
                           moe_us_per_moe_layer=round(moe_us / max(moe_layers, 1), 1),
                           kernels_in_graphs=cov.in_graphs, kernels_eager=cov.eager,
-                          kernel_us_per_layer=top_kernels(cov, layers, args.top_kernels))
+                          kernel_us_per_layer=top_kernels(cov, layers, args.top_kernels),
+                          exposed_us_per_layer=exposed_kernels(cov, layers, args.top_kernels))
         print(f"{args.label:>8} {name:>14}: wall {ms:8.2f} ms, GPU-busy {cov.busy_us / 1e3:8.2f} ms "
               f"({cov.busy_us / layers:6.1f} us/layer, MoE {moe_us / max(moe_layers, 1):6.1f} us/MoE layer), "
               f"graph span {span / 1e3:6.2f} ms ({span / layers:6.1f} us/layer), "
@@ -209,6 +222,9 @@ def main() -> None:
         if args.top_kernels:
             print(f"{args.label:>8} {name:>14}: largest kernels, GPU us per layer: "
                   + ", ".join(f"{k} {v}" for k, v in rows[name]["kernel_us_per_layer"].items()), flush=True)
+        if args.top_kernels and rows[name]["exposed_us_per_layer"]:
+            print(f"{args.label:>8} {name:>14}: span by kernel (time past the kernels before it), us per layer: "
+                  + ", ".join(f"{k} {v}" for k, v in rows[name]["exposed_us_per_layer"].items()), flush=True)
         if sites:
             per = {site: round(us / max(n_sparse, 1), 1) for site, us in sites.items()}
             print(f"{args.label:>8} {name:>14}: eager GPU us per step by site {sites}; / {n_sparse} sparse layers "

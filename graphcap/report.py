@@ -40,6 +40,8 @@ class Coverage:
     graph_us_by_name: Counter = field(default_factory=Counter)
     graph_first_us: float | None = None  # trace time of the first in-graph kernel's start (GPU)
     graph_last_us: float | None = None  # and of the last one's end
+    # every kernel of the step (in graphs and eager) as (start, end, name) trace times (GPU)
+    kernel_times: list[tuple[float, float, str]] = field(default_factory=list)
 
     @property
     def graph_span_us(self) -> float:
@@ -50,6 +52,25 @@ class Coverage:
         if self.graph_first_us is None or self.graph_last_us is None:
             return 0.0
         return self.graph_last_us - self.graph_first_us
+
+    def exposed_us_by_name(self) -> Counter:
+        """Where the step's GPU span goes when kernels overlap: each kernel's time past the
+        latest end of the kernels that started before it (its share of the span, by kernel name
+        cut to 40 characters), and ``(idle before) <name>`` for the time no kernel ran, named by
+        the kernel that ended the wait. The values sum to the first kernel's start to the last
+        one's end. Under programmatic dependent launch a
+        kernel's duration includes its wait for the one before (``busy_us`` counts it twice);
+        its exposed time is what removing it (or making it faster) can save at most."""
+        out: Counter = Counter()
+        latest = None
+        for start, end, name in sorted(self.kernel_times):
+            if latest is not None and start > latest:
+                out["(idle before) " + name[:40]] += start - latest
+            base = start if latest is None else max(start, latest)
+            if end > base:
+                out[name[:40]] += end - base
+            latest = end if latest is None else max(latest, end)
+        return out
 
     @property
     def busy_us(self) -> float:
@@ -143,6 +164,7 @@ def measure_coverage(manager: Any, step: Step, layers: int | None = None) -> Cov
             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
         }
         for k in (e for e in events if e.get("cat") == "kernel"):
+            cov.kernel_times.append((k["ts"], k["ts"] + k["dur"], k["name"]))
             launch = launches.get(k["args"].get("correlation"))
             if launch is not None and launch["name"] == _GRAPH_LAUNCH:
                 cov.in_graphs += 1

@@ -196,6 +196,20 @@ def test_graph_span_counts_gaps_and_overlaps_once():
     assert cov.as_dict()["graph_span_us"] == 20.0
 
 
+def test_exposed_time_splits_the_span_between_overlapping_kernels():
+    """Each kernel's exposed time is its part past the latest end before it: overlapped parts
+    count once, a kernel inside another's time adds nothing, idle time is named by the kernel
+    that ends it; the parts sum
+    to the first start to the last end."""
+    from graphcap.report import Coverage
+
+    cov = Coverage(unit="kernels", kernel_times=[(105.0, 115.0, "b"), (100.0, 110.0, "a"), (106.0, 108.0, "c"),
+                                                 (118.0, 120.0, "a"), (119.0, 125.0, "d")])
+    exposed = cov.exposed_us_by_name()
+    assert exposed == {"a": 10.0 + 2.0, "b": 5.0, "(idle before) a": 3.0, "d": 5.0}
+    assert sum(exposed.values()) == 125.0 - 100.0
+
+
 def test_one_padding_decision_reaches_prepare_and_the_splices():
     """Decode graphs pad request rows to the bucket; piecewise buckets keep the real ones."""
     model, manager = toy_manager(CaptureConfig(enabled=True, debug_eager=True, max_tokens=32, decode_buckets=(1, 2, 4)))

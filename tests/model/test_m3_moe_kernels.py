@@ -374,12 +374,19 @@ def test_gemv_kernels_compile_for_hopper():
     streamed through asynchronous copies, no spills."""
     ptrs = {"x_ptr": "bf16", "act_ptr": "bf16", "w13_ptr": "fp8e4nv", "sgu_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv",
             "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32", "s2_ptr": "i32", "ssd_ptr": "i32",
-            "sorted_ptr": "i32", "off_ptr": "i32", "y_ptr": "fp32", "topk_w_ptr": "fp32"}
+            "sorted_ptr": "i32", "off_ptr": "i32", "y_ptr": "fp32", "topk_w_ptr": "fp32", "topk_ids_ptr": "i32",
+            "pos_ptr": "i32", "out_ptr": "bf16"}
     M = "models.minimax_m3.kernels.moe_gemv"
     cases = []
     for c in moe._gemv_candidates(1):
         base = {"K": REAL["K"], "E": REAL["E"], "E_PAD": REAL["E"], "BLOCK_N": c.gemv_block_n,
                 "NUM_STAGES": c.gemv_num_stages}
+        if c.gemv_combine:
+            combine = {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.gemv_block_n, "NUM_STAGES": c.gemv_num_stages,
+                       "BLOCK_K": c.gemv_block_k, "BLOCK_K_SHARED": 128}
+            cases.append([M, "_moe_gemv_down_combine_kernel", combine, ptrs, [], c.gemv_num_warps,
+                          c.gemv_num_stages])
+            continue
         cases += [[M, "_moe_gemv_gate_up_kernel", dict(base, BLOCK_K=c.gemv_block_k), ptrs, ["alpha", "limit"],
                    c.gemv_num_warps, c.gemv_num_stages],
                   [M, "_moe_gemv_down_kernel", dict(base, BLOCK_K=c.gemv_block_k, BLOCK_K_SHARED=128), ptrs, [],
@@ -654,11 +661,21 @@ def test_gemv_candidates_match_the_dequantized_weights(T, hot):
     if DEV == "cpu" or not configs:  # wide row sets: the interpreter runs every program in Python
         configs = [moe.MoEConfig(gemv=True, gemv_block_n=32, gemv_block_k=128),
                    moe.MoEConfig(gemv=True, gemv_block_n=16, gemv_block_k=1024, gemv_num_stages=1)]
+        configs += [dataclasses.replace(c, gemv_combine=True) for c in configs]
+    assert any(c.gemv_combine for c in configs) and any(not c.gemv_combine for c in configs)
+    outs = {}
     for cfg in configs:
         out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
         assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 1e-5), cfg
         # the same inputs give the same bits (no atomics, fixed orders)
         assert torch.equal(out, moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales))
+        outs[cfg] = out
+    # the combine in the down kernel sums the same terms in the combine launch's order: within
+    # the rounding of a multiply-add contracted or not (fp32 sums, one cast)
+    for cfg, out in outs.items():
+        if cfg.gemv_combine:
+            twin = outs[dataclasses.replace(cfg, gemv_combine=False)]
+            assert torch.allclose(out.float(), twin.float(), rtol=1e-2 if DEV == "cuda" else 1e-6, atol=1e-6), cfg
 
 
 def test_gemv_steps_and_refusals():
@@ -868,7 +885,8 @@ def test_cuda_moe_split_rows_kernel_equals_torch():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T,f16", [(1, False), (32, False), (32, "diag"), (200, True), (1, "gemv"), (2, "gemv")])
+@pytest.mark.parametrize("T,f16", [(1, False), (32, False), (32, "diag"), (200, True), (1, "gemv"), (2, "gemv"),
+                                   (1, "gemv_combine"), (3, "gemv_combine")])
 def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
     """A captured fp8 weight-row MoE (e4m3 dots, block-diagonal ones, ``f16`` dequantised, or
     the weight-row form) replays bit-identically to eager runs of the same inputs, routing and
@@ -880,8 +898,8 @@ def test_cuda_fp8_mma_replay_is_bit_identical(T, f16):
     # decode: K split in 4, summed by the combine, or block-diagonal dots; or the weight-row form
     if f16 == "diag":
         cfg = MMA_DIAG[0]
-    elif f16 == "gemv":
-        cfg = moe._gemv_candidates(T)[0]
+    elif f16 in ("gemv", "gemv_combine"):
+        cfg = next(c for c in moe._gemv_candidates(T) if c.gemv_combine == (f16 == "gemv_combine"))
     elif f16:
         cfg = moe._mma_candidates(T, f16)[-1]
     else:  # by its split: the block-diagonal set is offered after it

@@ -116,6 +116,13 @@ class MoEConfig:
             them gate rows, half up rows), ``gemv_block_k`` columns per step (or the largest
             power of two below it that divides K), ``gemv_num_warps``, ``gemv_num_stages``.
             Same shapes as ``fp8_mma`` (whole scale words per step).
+        gemv_combine: with ``gemv``, the down products summed per token in the down kernel
+            (a program per token and block of output rows, over the token's pairs in the
+            combine's order; ``moe_gemv._moe_gemv_down_combine_kernel``) and written to ``out``:
+            no combine launch and no fp32 per-pair outputs. The same sums term by term; each
+            expert's rows are read once per token that picked it (from L2 after the first).
+            Not to be confused with the combine in the slot kernels' last programs through an
+            arrival count, measured slower and dropped (BENCHMARKS.md, MXFP8 rounds).
         mma_f16: with ``fp8_mma``, the same tiles with the weights dequantised to f16 in
             registers and dotted with f16 rows (the weight tile is wgmma's register operand:
             one K = 128 dot per step, no per-block product to wait for, no row split); only
@@ -170,6 +177,7 @@ class MoEConfig:
     gemv_block_k: int = 512
     gemv_num_warps: int = 2
     gemv_num_stages: int = 3
+    gemv_combine: bool = False
 
     @property
     def mma_tail_tile(self) -> int:
@@ -204,6 +212,8 @@ class MoEConfig:
                              f"{self.gemv_block_n}, {self.gemv_block_k}")
         if self.gemv and self.fp8_mma:
             raise ValueError("MoEConfig.gemv and fp8_mma are two paths: set one")
+        if self.gemv_combine and not self.gemv:
+            raise ValueError("MoEConfig.gemv_combine is a form of the gemv kernels: set gemv=True too")
         if self.combine_block & (self.combine_block - 1):
             raise ValueError(f"MoEConfig.combine_block must be a power of two, got {self.combine_block}")
 
@@ -247,11 +257,13 @@ def moe_config_candidates(num_tokens: int, f16: bool = False, fp8_mma: bool = Fa
 def _gemv_candidates(num_tokens: int) -> list[MoEConfig]:
     """Weight-row sets (``moe_gemv``) for steps of at most ``GEMV_MAX_TOKENS`` tokens, where an
     expert holds a pair or two: the row sets and steps the H200 measured fastest for rank-of-8
-    expert rows at one and two tokens (``fp8_gemv``)."""
+    expert rows at one and two tokens (``fp8_gemv``), each also with the combine in the down
+    kernel (``gemv_combine``)."""
     if num_tokens > GEMV_MAX_TOKENS:
         return []
-    return [MoEConfig(gemv=True, gemv_block_n=n, gemv_block_k=k, gemv_num_warps=w)
+    sets = [MoEConfig(gemv=True, gemv_block_n=n, gemv_block_k=k, gemv_num_warps=w)
             for n, k, w in ((4, 512, 2), (16, 512, 4), (8, 256, 2))]
+    return sets + [replace(c, gemv_combine=True) for c in sets]
 
 
 def _mma_candidates(num_tokens: int, f16: bool = False) -> list[MoEConfig]:
@@ -671,6 +683,10 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
                             cfg.mma_f16, cfg.mma_num_warps, tail_t=cfg.mma_tail_tile, max_regs=cfg.mma_max_regs,
                             diag=cfg.mma_diag)
+    elif gemv and cfg.gemv_combine:
+        return experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
+                            sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps,
+                            cfg.gemv_num_stages, combine=(topk_ids, pair_pos, out))
     elif gemv:
         y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
                          sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)

@@ -20,6 +20,15 @@ offered where experts hold a pair or two (``GEMV_MAX_TOKENS``). A first version 
 a pass (two accumulators): the one-pair experts, the common case there, paid the second one's
 registers and FMAs for nothing, and at decode 2 the tuner kept the tensor-core tiles. No
 atomics: every output element comes from one program in a fixed order.
+
+The combine can run inside the down kernel instead (``MoEConfig.gemv_combine``): a program per
+token and block of output rows walks the token's pairs in the combine launch's order and
+writes the sum, so the step has no combine launch and no fp32 per-pair outputs, and the down
+grid is the token's rows rather than every slot's. H100, 60 layers of rank-of-8 in MXFP8,
+uniform routing, beside main in one call (BENCHMARKS.md, MXFP8 eighteenth round): decode 1
+65.2 -> 60.9 us per layer, decode 2 85.0 -> 80.2 (the tuner took it at both). An earlier
+combine in the slot programs (the last to finish a block of rows summing it, through an
+arrival count) was slower: every program paid a barrier and a GPU-scope atomic.
 """
 
 from __future__ import annotations
@@ -157,6 +166,37 @@ def _moe_gemv_down_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h,
         _store_y(acc, sorted_ptr, topk_w_ptr, m0, T * K, y_ptr + p * stride_y + h, h_ok)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _moe_gemv_down_combine_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h, s2_ptr, stride_s2_e,
+                                  stride_s2_h, sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h, topk_ids_ptr, topk_w_ptr,
+                                  pos_ptr, out_ptr, stride_o_t, T, H, I, IS,
+                                  K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  BLOCK_K_SHARED: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0):
+    """out[t, h] = sum_k w[t, k] * (act[pos(t, k)] . w2_{id(t, k)}[h]) + act[pos(shared, t)] . sd[h]
+    for ``BLOCK_N`` rows ``h`` of token ``t`` (axis 0): the down products of the token's pairs
+    (valid ones, k ascending, then the shared one) summed in fp32 in the combine launch's order,
+    each term as ``_moe_gemv_down_kernel`` computes it, one cast into ``out``."""
+    grid_dependency(PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ld = (h % H).to(tl.int64)  # a partial last tile re-reads valid rows (not stored)
+    h_ok = h < H
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(K):
+        pos = tl.load(pos_ptr + t * K + k)
+        if pos >= 0:
+            e = tl.load(topk_ids_ptr + t * K + k).to(tl.int64)
+            a = act_ptr + pos.to(tl.int64) * stride_act
+            acc, _ = gemv_rows(a, a, False, w2_ptr + e * stride_w2_e + h_ld * stride_w2_h,
+                               s2_ptr + e * stride_s2_e + h_ld * stride_s2_h, I, False, BLOCK_K, NUM_STAGES)
+            total += acc * tl.load(topk_w_ptr + t * K + k)
+    a = act_ptr + tl.load(pos_ptr + T * K + t).to(tl.int64) * stride_act
+    acc, _ = gemv_rows(a, a, False, sd_ptr + h_ld * stride_sd_h, ssd_ptr + h_ld * stride_ssd_h, IS, False,
+                       BLOCK_K_SHARED, NUM_STAGES)
+    total += acc
+    tl.store(out_ptr + t.to(tl.int64) * stride_o_t + h, total.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
 @triton.jit
 def _store_y(acc, sorted_ptr, topk_w_ptr, pos, TK, ptrs, mask):
     """``acc`` times the routing weight of the pair at sorted position ``pos`` (1 for a shared
@@ -169,11 +209,16 @@ def _store_y(acc, sorted_ptr, topk_w_ptr, pos, TK, ptrs, mask):
 def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_up: Tensor, shared_down: Tensor,
                  scales: tuple[Tensor, Tensor, Tensor, Tensor], alpha: float, limit: float, off: Tensor,
                  sorted_pairs: Tensor, K: int, block_n: int, block_k: int, num_warps: int,
-                 num_stages: int) -> Tensor:
+                 num_stages: int, combine: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """The per-pair expert outputs ``y [1, P + T, H]`` fp32 (weighted) of the sorted pairs
     ``(off, sorted_pairs)`` of ``moe_align``, for ``moe.fused_moe``'s combine. Shapes as
     ``fused_moe``'s (checked there), fitting ``moe_fp8_mma.fits_fp8_mma`` (H, I and Is multiples
     of 128, scales readable as int32 words: the same whole-word steps).
+
+    ``combine = (topk_ids [T, K], pair_pos [P + T], out [T, H])`` (``MoEConfig.gemv_combine``):
+    the down kernel runs per token instead (``_moe_gemv_down_combine_kernel``), each program
+    summing its rows' products over the token's pairs in the combine launch's order, and writes
+    ``out``, which is returned: no ``y`` and no combine launch. The same sums, term by term.
     """
     T, H = x.shape
     E, I = w13.shape[0], w13.shape[1] // 2
@@ -189,6 +234,15 @@ def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate
         T, H, I, Is, float(alpha), float(limit),
         K=K, E=E, E_PAD=e_pad, BLOCK_N=block_n, BLOCK_K=gemv_step(H, block_k), NUM_STAGES=num_stages,
         num_warps=num_warps, **pdl_launch(x.device))
+    if combine is not None:
+        topk_ids, pair_pos, out = combine
+        _moe_gemv_down_combine_kernel[(T, triton.cdiv(H, block_n))](
+            act, act.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
+            shared_down, shared_down.stride(0), ssd, ssd.stride(0), topk_ids, topk_w, pair_pos, out, out.stride(0),
+            T, H, I, Is, K=K, E=E, BLOCK_N=block_n, BLOCK_K=gemv_step(I, block_k),
+            BLOCK_K_SHARED=gemv_step(Is, block_k), NUM_STAGES=num_stages, num_warps=num_warps,
+            **pdl_launch(x.device))
+        return out
     y = torch.empty(1, P + T, H, dtype=torch.float32, device=x.device)
     _moe_gemv_down_kernel[(slots, triton.cdiv(H, block_n))](
         act, act.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
