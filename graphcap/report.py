@@ -54,16 +54,20 @@ class Coverage:
         return self.graph_last_us - self.graph_first_us
 
     def exposed_us_by_name(self) -> Counter:
-        """Where the step's GPU span goes when kernels overlap: each kernel's time past the
-        latest end of the kernels that started before it (its share of the span, by kernel name
-        cut to 40 characters), and ``(idle before) <name>`` for the time no kernel ran, named by
-        the kernel that ended the wait. The values sum to the first kernel's start to the last
-        one's end. Under programmatic dependent launch a
+        """Where the graph span goes when kernels overlap: each kernel's time past the latest
+        end of the kernels that started before it (its share of the span, by kernel name cut to
+        40 characters), and ``(idle before) <name>`` for the time no kernel ran, named by the
+        kernel that ended the wait. Over the kernels within the graph span (eager splices between
+        a piecewise step's graphs included; the copy-in before the graph and the work after it,
+        with the host's time between them, left out), so the values sum to ``graph_span_us``;
+        over every kernel where none ran in a graph. Under programmatic dependent launch a
         kernel's duration includes its wait for the one before (``busy_us`` counts it twice);
         its exposed time is what removing it (or making it faster) can save at most."""
+        lo, hi = self.graph_first_us, self.graph_last_us
+        inside = [k for k in self.kernel_times if lo is None or hi is None or (k[0] >= lo and k[1] <= hi)]
         out: Counter = Counter()
         latest = None
-        for start, end, name in sorted(self.kernel_times):
+        for start, end, name in sorted(inside):
             if latest is not None and start > latest:
                 out["(idle before) " + name[:40]] += start - latest
             base = start if latest is None else max(start, latest)

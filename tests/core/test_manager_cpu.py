@@ -199,8 +199,8 @@ def test_graph_span_counts_gaps_and_overlaps_once():
 def test_exposed_time_splits_the_span_between_overlapping_kernels():
     """Each kernel's exposed time is its part past the latest end before it: overlapped parts
     count once, a kernel inside another's time adds nothing, idle time is named by the kernel
-    that ends it; the parts sum
-    to the first start to the last end."""
+    that ends it; the parts sum to the first start to the last end (to the graph span where
+    kernels ran in graphs)."""
     from graphcap.report import Coverage
 
     cov = Coverage(unit="kernels", kernel_times=[(105.0, 115.0, "b"), (100.0, 110.0, "a"), (106.0, 108.0, "c"),
@@ -208,6 +208,11 @@ def test_exposed_time_splits_the_span_between_overlapping_kernels():
     exposed = cov.exposed_us_by_name()
     assert exposed == {"a": 10.0 + 2.0, "b": 5.0, "(idle before) a": 3.0, "d": 5.0}
     assert sum(exposed.values()) == 125.0 - 100.0
+    # with a graph: the kernels within its span only (a copy-in before it and the host's wait after
+    # that left out), summing to the graph span
+    cov.kernel_times.append((40.0, 45.0, "copy-in"))
+    cov.graph_first_us, cov.graph_last_us = 100.0, 125.0
+    assert cov.exposed_us_by_name() == exposed and sum(exposed.values()) == cov.graph_span_us
 
 
 def test_one_padding_decision_reaches_prepare_and_the_splices():

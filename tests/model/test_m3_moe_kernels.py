@@ -661,7 +661,7 @@ def test_gemv_candidates_match_the_dequantized_weights(T, hot):
     if DEV == "cpu" or not configs:  # wide row sets: the interpreter runs every program in Python
         configs = [moe.MoEConfig(gemv=True, gemv_block_n=32, gemv_block_k=128),
                    moe.MoEConfig(gemv=True, gemv_block_n=16, gemv_block_k=1024, gemv_num_stages=1)]
-        configs += [dataclasses.replace(c, gemv_combine=True) for c in configs]
+        configs.append(dataclasses.replace(configs[0], gemv_combine=True))  # the interpreter is slow: one twin
     assert any(c.gemv_combine for c in configs) and any(not c.gemv_combine for c in configs)
     outs = {}
     for cfg in configs:
@@ -673,7 +673,7 @@ def test_gemv_candidates_match_the_dequantized_weights(T, hot):
     # the combine in the down kernel sums the same terms in the combine launch's order: within
     # the rounding of a multiply-add contracted or not (fp32 sums, one cast)
     for cfg, out in outs.items():
-        if cfg.gemv_combine:
+        if cfg.gemv_combine and dataclasses.replace(cfg, gemv_combine=False) in outs:
             twin = outs[dataclasses.replace(cfg, gemv_combine=False)]
             assert torch.allclose(out.float(), twin.float(), rtol=1e-2 if DEV == "cuda" else 1e-6, atol=1e-6), cfg
 
