@@ -382,7 +382,7 @@ def test_gemv_kernels_compile_for_hopper():
         base = {"K": REAL["K"], "E": REAL["E"], "E_PAD": REAL["E"], "BLOCK_N": c.gemv_block_n,
                 "NUM_STAGES": c.gemv_num_stages}
         if c.gemv_combine:
-            combine = {"K": REAL["K"], "E": REAL["E"], "BLOCK_N": c.gemv_block_n, "NUM_STAGES": c.gemv_num_stages,
+            combine = {"K": REAL["K"], "BLOCK_N": c.gemv_block_n, "NUM_STAGES": c.gemv_num_stages,
                        "BLOCK_K": c.gemv_block_k, "BLOCK_K_SHARED": 128}
             cases.append([M, "_moe_gemv_down_combine_kernel", combine, ptrs, [], c.gemv_num_warps,
                           c.gemv_num_stages])

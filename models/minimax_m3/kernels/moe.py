@@ -641,7 +641,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
               aligned: MoEAlignment | None = None) -> Tensor:
     """Routed experts of this rank + the shared expert, five launches (four where one align
     program holds every pair, as at decode; three where the router's last program aligned
-    them: ``aligned``; two more on the fp8 tensor-core path), graph-capturable.
+    them: ``aligned``; two more on the fp8 tensor-core path, one fewer with the weight-row
+    path's combine in its down kernel), graph-capturable.
 
     Args:
         x: ``[T, H]`` (bf16 on GPU; fp32 allowed, then the dots run in fp32 "ieee").

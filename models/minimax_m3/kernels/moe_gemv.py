@@ -170,7 +170,7 @@ def _moe_gemv_down_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h,
 def _moe_gemv_down_combine_kernel(act_ptr, stride_act, w2_ptr, stride_w2_e, stride_w2_h, s2_ptr, stride_s2_e,
                                   stride_s2_h, sd_ptr, stride_sd_h, ssd_ptr, stride_ssd_h, topk_ids_ptr, topk_w_ptr,
                                   pos_ptr, out_ptr, stride_o_t, T, H, I, IS,
-                                  K: tl.constexpr, E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                   BLOCK_K_SHARED: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     """out[t, h] = sum_k w[t, k] * (act[pos(t, k)] . w2_{id(t, k)}[h]) + act[pos(shared, t)] . sd[h]
     for ``BLOCK_N`` rows ``h`` of token ``t`` (axis 0): the down products of the token's pairs
@@ -239,7 +239,7 @@ def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate
         _moe_gemv_down_combine_kernel[(T, triton.cdiv(H, block_n))](
             act, act.stride(0), w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
             shared_down, shared_down.stride(0), ssd, ssd.stride(0), topk_ids, topk_w, pair_pos, out, out.stride(0),
-            T, H, I, Is, K=K, E=E, BLOCK_N=block_n, BLOCK_K=gemv_step(I, block_k),
+            T, H, I, Is, K=K, BLOCK_N=block_n, BLOCK_K=gemv_step(I, block_k),
             BLOCK_K_SHARED=gemv_step(Is, block_k), NUM_STAGES=num_stages, num_warps=num_warps,
             **pdl_launch(x.device))
         return out
