@@ -684,13 +684,13 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, w13: Tensor, w2: Tens
                             sorted_pairs, K, cfg.mma_block_n, cfg.mma_block_t, cfg.mma_split, cfg.mma_num_stages,
                             cfg.mma_f16, cfg.mma_num_warps, tail_t=cfg.mma_tail_tile, max_regs=cfg.mma_max_regs,
                             diag=cfg.mma_diag)
-    elif gemv and cfg.gemv_combine:
-        return experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
-                            sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps,
-                            cfg.gemv_num_stages, combine=(topk_ids, pair_pos, out))
     elif gemv:
+        combine = (topk_ids, pair_pos, out) if cfg.gemv_combine else None
         y = experts_gemv(x, topk_w, w13, w2, shared_gate_up, shared_down, tuple(scales), alpha, limit, off,
-                         sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages)
+                         sorted_pairs, K, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_num_warps, cfg.gemv_num_stages,
+                         combine=combine)
+        if combine is not None:  # summed into out by the down kernel: no combine launch
+            return out
     else:
         y = _experts_dequant(x, topk_w, w13, w2, shared_gate_up, shared_down, alpha, limit, cfg, scales, d, off,
                              sorted_pairs)[None]
