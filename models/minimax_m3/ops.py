@@ -282,9 +282,11 @@ class FusedMoE:
         return self._configs.get(num_tokens) or default_moe_config(num_tokens)
 
     def choose(self, model: torch.nn.Module, num_tokens: int, extra: dict | None = None, tune: bool = True) -> None:
-        """Choose the MoE configuration for ``num_tokens`` rows: every candidate runs on a probe
-        (random hidden states routed by the first MoE layer's own router and weights) and is
-        compared with the torch reference; ``extra`` adds candidates (tests inject bad ones).
+        """Choose the MoE configuration for ``num_tokens`` rows: every candidate runs on the
+        probes (random hidden states routed by MoE layers' own routers, uniform ids, and run on
+        their weights: ``moe_probe_count`` of them where timed on the GPU, else one) and is
+        compared with the torch reference; ``extra`` adds candidates (tests inject bad ones;
+        each returns the probes' outputs stacked, ``[probes * num_tokens, H]``).
         ``tune=False``: row counts no graph has, which a serving loop meets by the hundred and
         must not probe mid-run (a probe run, the reference and their host sync would stall the
         step). Such a count takes the configuration chosen for the nearest count of its kind
@@ -305,33 +307,43 @@ class FusedMoE:
                 near = next((n for n in chosen if n > num_tokens), chosen[-1])
                 self._configs[num_tokens] = self._configs[near]
                 return
-        probe = self._probe(model, num_tokens)
-        if probe is None:
+        timing = tune and next(model.parameters()).device.type == "cuda"
+        probes = self._probes(model, num_tokens, moe_probe_count(num_tokens) if timing else 1)
+        if not probes:
             return
-        moe, x = probe
-        dev, dtype = x.device, x.dtype
-        ids, w = self._probe_routing(moe, x)
+        moe, x = probes[0].moe, probes[0].x
+        dtype = x.dtype
         sh = moe.shared_experts
         configs = moe_config_candidates(num_tokens, *self._fp8_paths(model, moe))
-        if dev.type != "cuda" or not tune:
+        if not timing:
             configs = configs[:1]  # the default only (and the interpreter is slow)
         by_name = {f"config{i}": c for i, c in enumerate(configs)}
-        candidates = {name: (lambda c=c: self.experts(moe, x, ids, w, c)) for name, c in by_name.items()}
+
+        def run_all(c: object) -> list[torch.Tensor]:
+            return [self.experts(p.moe, p.x, p.ids, p.w, c) for p in probes]
+
+        candidates = {name: (lambda c=c: torch.cat(run_all(c))) for name, c in by_name.items()}
         candidates.update(extra or {})
+        timed = {name: (lambda c=c: run_all(c)) for name, c in by_name.items()}
 
         def reference() -> torch.Tensor:
-            out = torch.empty_like(x)
-            return fused_moe_torch(x, ids, w, moe.experts.w13, moe.experts.w2, sh.gate_up_proj.weight,
-                                   sh.down_proj.weight, moe.alpha, moe.limit, out, scales=moe_scales(moe))
+            outs = []
+            for p in probes:
+                ex, psh = p.moe.experts, p.moe.shared_experts
+                outs.append(fused_moe_torch(p.x, p.ids, p.w, ex.w13, ex.w2, psh.gate_up_proj.weight,
+                                            psh.down_proj.weight, p.moe.alpha, p.moe.limit, torch.empty_like(p.x),
+                                            scales=moe_scales(p.moe)))
+            return torch.cat(outs)
 
         e, two_i, h = moe.experts.w13.shape
         weights = "mxfp8" if moe.experts.quantized else str(dtype)
         # The candidate list too: a stored name ("config5") means another config once the list changes.
         listed = hashlib.sha1(repr(configs).encode()).hexdigest()[:8]
         signature = (f"E{e} 2I{two_i} H{h} k{moe.top_k} shared{sh.gate_up_proj.weight.shape[0]} {weights} "
-                     f"probe uniform candidates {listed}")
+                     f"probe uniform x{len(probes)} candidates {listed}")
         name = self.tuner.choose("moe", num_tokens, candidates, reference,
-                                 tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature)
+                                 tol=2e-2 if dtype == torch.bfloat16 else 1e-4, signature=signature,
+                                 timed=timed, calls_per_timed=len(probes))
         self._configs[num_tokens] = by_name[name]
 
     def compile_kernels(self, model: torch.nn.Module, num_tokens: int) -> None:
@@ -340,13 +352,10 @@ class FusedMoE:
         many at once, so the ``choose`` that follows finds every kernel built)."""
         from .kernels.moe import moe_config_candidates
 
-        probe = self._probe(model, num_tokens) if num_tokens not in self._configs else None
-        if probe is None:
-            return
-        moe, x = probe
-        ids, w = self._probe_routing(moe, x)
-        for config in moe_config_candidates(num_tokens, *self._fp8_paths(model, moe)):
-            self.experts(moe, x, ids, w, config)
+        probes = self._probes(model, num_tokens, 1) if num_tokens not in self._configs else []
+        for p in probes:
+            for config in moe_config_candidates(num_tokens, *self._fp8_paths(model, p.moe)):
+                self.experts(p.moe, p.x, p.ids, p.w, config)
 
     def _fp8_paths(self, model: torch.nn.Module, moe: BlockSparseMoE) -> tuple[bool, bool]:
         """Which MXFP8 candidate families every MoE layer allows, ``(f16, fp8_mma)``: f16 math
@@ -369,22 +378,48 @@ class FusedMoE:
             self._fits[model] = (f16, mma)
         return self._fits[model]
 
-    def _probe_routing(self, moe: BlockSparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The probe's routing: the router's weights, uniform expert ids (``RoutingSimulation``),
-        so candidates are timed on the expert spread a balanced, trained model gives, not on the
-        few experts a random router may favour."""
-        return self._route(moe, x, None, _PROBE_ROUTING)[:2]
+    def _probes(self, model: torch.nn.Module, num_tokens: int, count: int) -> list[MoEProbe]:
+        """``count`` probes of ``num_tokens`` random hidden states (each seeded by the row count
+        and its index), probe ``i`` on the ``i``-th MoE layer (cycling), routed as
+        ``_PROBE_ROUTING`` routes: the router's weights, uniform expert ids, so candidates are
+        timed on the expert spread a balanced, trained model gives, not on the few experts a
+        random router may favour. Empty for a model without MoE layers."""
+        layers = [m for m in model.modules() if isinstance(m, BlockSparseMoE)]
+        probes = []
+        for i in range(count if layers else 0):
+            moe = layers[i % len(layers)]
+            dev, dtype = moe.experts.w13.device, moe.experts.dtype
+            gen = torch.Generator(device=dev).manual_seed(num_tokens + (i << 20))
+            x = torch.randn(num_tokens, moe.experts.w13.shape[2], generator=gen, device=dev).to(dtype)
+            ids, w = self._route(moe, x, None, _PROBE_ROUTING)[:2]
+            probes.append(MoEProbe(moe, x, ids, w))
+        return probes
 
-    @staticmethod
-    def _probe(model: torch.nn.Module, num_tokens: int) -> tuple[BlockSparseMoE, torch.Tensor] | None:
-        """The first MoE layer and random hidden states ``[num_tokens, H]`` (seeded by the row
-        count), or ``None`` for a model without MoE layers."""
-        moe = next((m for m in model.modules() if isinstance(m, BlockSparseMoE)), None)
-        if moe is None:
-            return None
-        dev, dtype = moe.experts.w13.device, moe.experts.dtype
-        gen = torch.Generator(device=dev).manual_seed(num_tokens)
-        return moe, torch.randn(num_tokens, moe.experts.w13.shape[2], generator=gen, device=dev).to(dtype)
+
+@dataclass(frozen=True)
+class MoEProbe:
+    """One probe of the MoE tuner: a layer, hidden states ``[T, H]`` and their routing (local
+    ids int32 ``[T, k]``, weights fp32 ``[T, k]``)."""
+
+    moe: BlockSparseMoE
+    x: torch.Tensor
+    ids: torch.Tensor
+    w: torch.Tensor
+
+
+# Rows the MoE tuner's probes hold together at decode sizes. One token's 4 picks of 128
+# experts find none of a rank's 16 in 58% of draws (the gate/up launch then streams the shared
+# expert alone), one or more in the rest, and the candidates rank differently in the two cases
+# (H100, kernels alone, ``benchmarks/results/mxfp8_round20/``): a single probe timed one case
+# and the choice at decode 1 followed the seed. Probes of 16 rows in all, each on another
+# layer's weights, time the mix a step meets, read from HBM as the model reads them (a probe
+# that routes to no local expert reads 7 MB, which would stay in L2 across the replays).
+MOE_PROBE_ROWS = 16
+
+
+def moe_probe_count(num_tokens: int) -> int:
+    """How many probes of ``num_tokens`` rows the MoE tuner times (``MOE_PROBE_ROWS``)."""
+    return max(1, -(-MOE_PROBE_ROWS // num_tokens))
 
 
 _PROBE_ROUTING = RoutingSimulation("uniform")

@@ -376,6 +376,8 @@ def test_gemv_kernels_compile_for_hopper():
             "sd_ptr": "fp8e4nv", "s13_ptr": "i32", "ssgu_ptr": "i32", "s2_ptr": "i32", "ssd_ptr": "i32",
             "sorted_ptr": "i32", "off_ptr": "i32", "y_ptr": "fp32", "topk_w_ptr": "fp32", "topk_ids_ptr": "i32",
             "pos_ptr": "i32", "out_ptr": "bf16"}
+    from models.minimax_m3.kernels.moe_gemv import shared_gate_up_rows
+
     M = "models.minimax_m3.kernels.moe_gemv"
     cases = []
     for c in moe._gemv_candidates(1):
@@ -387,8 +389,10 @@ def test_gemv_kernels_compile_for_hopper():
             cases.append([M, "_moe_gemv_down_combine_kernel", combine, ptrs, [], c.gemv_num_warps,
                           c.gemv_num_stages])
             continue
-        cases += [[M, "_moe_gemv_gate_up_kernel", dict(base, BLOCK_K=c.gemv_block_k), ptrs, ["alpha", "limit"],
-                   c.gemv_num_warps, c.gemv_num_stages],
+        rows, step = shared_gate_up_rows(c.gemv_block_n, c.gemv_block_k, REAL["I"], REAL["Is"], REAL["H"])
+        gate_up = dict(base, BLOCK_K=c.gemv_block_k, BLOCK_N_SHARED=rows, BLOCK_K_SHARED=step)
+        cases += [[M, "_moe_gemv_gate_up_kernel", gate_up, ptrs, ["alpha", "limit"], c.gemv_num_warps,
+                   c.gemv_num_stages],
                   [M, "_moe_gemv_down_kernel", dict(base, BLOCK_K=c.gemv_block_k, BLOCK_K_SHARED=128), ptrs, [],
                    c.gemv_num_warps, c.gemv_num_stages]]
     reports = run_compile_reports(cases)  # shared memory and spills checked there
@@ -676,6 +680,26 @@ def test_gemv_candidates_match_the_dequantized_weights(T, hot):
         if cfg.gemv_combine and dataclasses.replace(cfg, gemv_combine=False) in outs:
             twin = outs[dataclasses.replace(cfg, gemv_combine=False)]
             assert torch.allclose(out.float(), twin.float(), rtol=1e-2 if DEV == "cuda" else 1e-6, atol=1e-6), cfg
+
+
+def test_gemv_shared_expert_gets_rows_of_its_own():
+    """The gate/up programs of a shared expert narrower than a routed one take fewer rows and a
+    longer step (as many programs as an expert, the same bytes a step); the results still match
+    the dequantised torch twin (here Is = I / 4: 8-row routed sets give 2-row shared ones)."""
+    from models.minimax_m3.kernels.moe_gemv import shared_gate_up_rows
+
+    real = [shared_gate_up_rows(c.gemv_block_n, c.gemv_block_k, REAL["I"], REAL["Is"], REAL["H"])
+            for c in moe._gemv_candidates(1)[:3]]
+    assert real == [(2, 1024), (2, 2048), (2, 1024)], real  # the (4, 512), (16, 512), (8, 256) sets
+    assert shared_gate_up_rows(8, 256, 128, 128, 256) == (8, 256)  # as wide as an expert: the routed tile
+    pb = Problem(2, E=4, seed=7, dtype=torch.float32, H=256, inter=512, Is=128, K=2)
+    w8, scales, deq = quantized(pb)
+    head, tail = (pb.x, pb.ids, pb.w), (ALPHA, LIMIT)
+    want = moe.fused_moe_torch(*head, *deq, *tail, pb.poisoned_out())
+    for cfg in (moe.MoEConfig(gemv=True, gemv_block_n=8, gemv_block_k=128),
+                moe.MoEConfig(gemv=True, gemv_block_n=8, gemv_block_k=128, gemv_combine=True)):
+        out = moe.fused_moe(*head, *w8, *tail, pb.poisoned_out(), config=cfg, scales=scales)
+        assert rel_err(out, want) < (1e-2 if DEV == "cuda" else 1e-5), cfg
 
 
 def test_gemv_steps_and_refusals():

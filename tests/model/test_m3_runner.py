@@ -334,6 +334,30 @@ def test_fused_moe_validates_its_configuration_and_rejects_a_corrupt_candidate()
     assert "corrupt" in console.export_text()
 
 
+def test_moe_tuner_probes_spread_a_small_step_over_layers_and_routings():
+    """At decode sizes the MoE tuner times its candidates on several probes (16 rows in all),
+    probe i on the i-th MoE layer's weights with its own hidden states and uniform routing: the
+    timing covers the steps that route to none of a rank's experts and those that route to some,
+    and reads weights that do not stay in L2. One probe from 16 rows up."""
+    from models.minimax_m3.layers import BlockSparseMoE
+    from models.minimax_m3.ops import MOE_PROBE_ROWS, moe_probe_count
+
+    assert MOE_PROBE_ROWS == 16 and [moe_probe_count(t) for t in (1, 2, 5, 16, 1054)] == [16, 8, 4, 1, 1]
+    r = build_from_preset("tiny", "cpu", torch.float32, producer="triton", max_tokens=16, max_seqs=2, max_seq_len=32)
+    layers = [m for m in r.model.modules() if isinstance(m, BlockSparseMoE)]
+    probes = r.model.ops.moe._probes(r.model, 1, 8)
+    assert [p.moe for p in probes] == [layers[i % len(layers)] for i in range(8)]
+    assert probes[0].x.shape == (1, r.model.config.hidden_size)
+    assert len({tuple(p.x.flatten().tolist()) for p in probes}) == 8  # each probe its own rows
+    for p in probes:  # the uniform simulation's picks: k distinct experts, weights the router's
+        assert p.ids.shape == (1, 2) and len(set(p.ids.flatten().tolist())) == 2
+        assert torch.allclose(p.w.sum(-1), torch.full((1,), p.moe.scale))
+    picked = {tuple(sorted(p.ids.flatten().tolist())) for p in probes}
+    assert len(picked) >= 4, picked  # the probes route apart, not all to one pair
+    first = r.model.ops.moe._probes(r.model, 1, 1)[0]  # the first probe is the single probe of before
+    assert torch.equal(first.x, probes[0].x) and torch.equal(first.ids, probes[0].ids)
+
+
 def test_fused_moe_validates_once_not_once_per_eager_step_size():
     """An eager step of a size no graph has takes the configuration chosen for the nearest size
     of its kind (decode- or prefill-sized tiles) with no probe (a probe, the reference and the

@@ -13,13 +13,15 @@ Grid: axis 0 is a slot per expert that can have pairs (at most ``min(E, T*K)`` r
 then the shared one), not one per local expert: slot ``s`` takes the ``s``-th routed expert with
 pairs in id order (``_slot_expert``), the last slot the shared expert, and a slot with no expert
 returns at once. With narrow row sets an expert needs ~1500 programs, so launching them for all
-16 local experts would schedule ~25000 programs that do nothing. Axis 1 covers the weight rows
-of the widest expert. A program takes its expert's pairs one at a time, each re-reading the
-program's weight rows (from L2 after the first), so any pair count is correct; the form is
-offered where experts hold a pair or two (``GEMV_MAX_TOKENS``). A first version took two pairs
-a pass (two accumulators): the one-pair experts, the common case there, paid the second one's
-registers and FMAs for nothing, and at decode 2 the tuner kept the tensor-core tiles. No
-atomics: every output element comes from one program in a fixed order.
+16 local experts would schedule ~25000 programs that do nothing. Axis 1 covers an expert's
+columns; in the gate/up kernel the shared expert's programs take fewer rows with a longer step
+(``shared_gate_up_rows``), so its narrower expert gets as many programs as a routed one. A
+program takes its expert's pairs one at a time, each re-reading the program's weight rows (from
+L2 after the first), so any pair count is correct; the form is offered where experts hold a
+pair or two (``GEMV_MAX_TOKENS``). A first version took two pairs a pass (two accumulators): the
+one-pair experts, the common case there, paid the second one's registers and FMAs for nothing,
+and at decode 2 the tuner kept the tensor-core tiles. No atomics: every output element comes
+from one program in a fixed order.
 
 The combine can run inside the down kernel instead (``MoEConfig.gemv_combine``): a program per
 token and block of output rows walks the token's pairs in the combine launch's order and
@@ -65,6 +67,25 @@ def gemv_step(k: int, block_k: int) -> int:
     return step
 
 
+def shared_gate_up_rows(block_n: int, block_k: int, I: int, Is: int, H: int) -> tuple[int, int]:
+    """``(rows, step)`` of a gate/up program on the shared expert: about as many programs as a
+    routed expert's ``I`` columns get at ``block_n`` rows (``Is`` is ``I / 8`` for rank-of-8, so
+    ``block_n / 8`` rows, at least a gate and an up row), the step widened so that a program
+    keeps the routed tile's bytes in flight (``block_n * block_k`` weights a step).
+
+    Why: with the routed tile the shared expert's 768 rows got ``I / Is`` times fewer programs
+    than an expert (96 of 8 rows at rank-of-8), each streaming its 6144-byte rows with a few
+    KB in flight: at decode 1, where most layers hold no routed expert of their own (top-4 of
+    128 over 16 local experts), the gate/up launch was that stream alone, ~0.3 TB/s. H100,
+    kernels alone, that launch with no local expert, before -> after: 15.7 -> 10.7 us (8-row
+    set), 12.7 -> 11.8 (16-row), 17.5 -> 17.7 (4-row: 4 x 512 -> 2 x 1024 moved nothing);
+    with one local expert beside it 0.5-2.2 us slower (more programs sharing the SMs); the
+    60-layer decode-1 step moved within its run-to-run spread
+    (``benchmarks/results/mxfp8_round20/``)."""
+    rows = max(2, min(block_n, next_pow2(max(1, block_n * Is // I))))
+    return rows, gemv_step(H, min(4096, block_n * block_k // rows))
+
+
 @triton.jit
 def _slot_expert(off_ptr, E: tl.constexpr, E_PAD: tl.constexpr):
     """``(expert, start, end)`` of this program's slot (axis 0): the slot-th routed expert with
@@ -96,24 +117,29 @@ def _moe_gemv_gate_up_kernel(x_ptr, stride_x, w13_ptr, stride_w13_e, stride_w13_
                              stride_s13_n, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n, sorted_ptr, off_ptr,
                              act_ptr, stride_act, T, H, I, IS, alpha, limit,
                              K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0):
+                             BLOCK_K: tl.constexpr, BLOCK_N_SHARED: tl.constexpr, BLOCK_K_SHARED: tl.constexpr,
+                             NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     """act[pos, n] = SwiGLU-OAI(x[tok(pos)] . gate[n], x[tok(pos)] . up[n]) for ``BLOCK_N // 2``
-    columns ``n`` of the slot's expert: its gate and up rows interleaved, ``BLOCK_N`` weight rows
-    per program (scale pointers and strides in int32 words)."""
+    columns ``n`` of the slot's routed expert, ``BLOCK_N_SHARED // 2`` of the shared one: its
+    gate and up rows interleaved, ``BLOCK_N`` (``BLOCK_N_SHARED``) weight rows per program
+    (scale pointers and strides in int32 words)."""
     grid_dependency(PDL)
     e, start, end = _slot_expert(off_ptr, E, E_PAD)
     if e < E:
-        N = I
-        w_ptr = w13_ptr + tl.maximum(e, 0).to(tl.int64) * stride_w13_e
-        stride_wn = stride_w13_n
-        s_ptr = s13_ptr + tl.maximum(e, 0).to(tl.int64) * stride_s13_e
-        stride_sn = stride_s13_n
+        _gate_up_rows(x_ptr, stride_x, w13_ptr + tl.maximum(e, 0).to(tl.int64) * stride_w13_e, stride_w13_n,
+                      s13_ptr + tl.maximum(e, 0).to(tl.int64) * stride_s13_e, stride_s13_n, sorted_ptr, act_ptr,
+                      stride_act, start, end, T, H, I, alpha, limit, K, BLOCK_N, BLOCK_K, NUM_STAGES)
     else:
-        N = IS
-        w_ptr = sgu_ptr
-        stride_wn = stride_sgu_n
-        s_ptr = ssgu_ptr
-        stride_sn = stride_ssgu_n
+        _gate_up_rows(x_ptr, stride_x, sgu_ptr, stride_sgu_n, ssgu_ptr, stride_ssgu_n, sorted_ptr, act_ptr,
+                      stride_act, start, end, T, H, IS, alpha, limit, K, BLOCK_N_SHARED, BLOCK_K_SHARED, NUM_STAGES)
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, stride_x, w_ptr, stride_wn, s_ptr, stride_sn, sorted_ptr, act_ptr, stride_act, start, end,
+                  T, H, N, alpha, limit, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NUM_STAGES: tl.constexpr):
+    """The activations of the pairs ``[start, end)`` of one expert (``N`` columns, gate rows then
+    up rows at ``w_ptr``) for this program's ``BLOCK_N // 2`` columns (axis 1)."""
     HALF: tl.constexpr = BLOCK_N // 2
     n0 = tl.program_id(1) * HALF
     if n0 < N:
@@ -228,12 +254,13 @@ def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate
     e_pad = max(2, next_pow2(E))
     slots = min(E, P) + 1
     act = torch.empty(P + T, max(I, Is), dtype=x.dtype, device=x.device)
-    _moe_gemv_gate_up_kernel[(slots, triton.cdiv(max(I, Is), block_n // 2))](
+    block_n_shared, block_k_shared = shared_gate_up_rows(block_n, block_k, I, Is, H)
+    _moe_gemv_gate_up_kernel[(slots, max(triton.cdiv(I, block_n // 2), triton.cdiv(Is, block_n_shared // 2)))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), ssgu, ssgu.stride(0), sorted_pairs, off, act, act.stride(0),
         T, H, I, Is, float(alpha), float(limit),
-        K=K, E=E, E_PAD=e_pad, BLOCK_N=block_n, BLOCK_K=gemv_step(H, block_k), NUM_STAGES=num_stages,
-        num_warps=num_warps, **pdl_launch(x.device))
+        K=K, E=E, E_PAD=e_pad, BLOCK_N=block_n, BLOCK_K=gemv_step(H, block_k), BLOCK_N_SHARED=block_n_shared,
+        BLOCK_K_SHARED=block_k_shared, NUM_STAGES=num_stages, num_warps=num_warps, **pdl_launch(x.device))
     if combine is not None:
         topk_ids, pair_pos, out = combine
         _moe_gemv_down_combine_kernel[(T, triton.cdiv(H, block_n))](
@@ -253,4 +280,4 @@ def experts_gemv(x: Tensor, topk_w: Tensor, w13: Tensor, w2: Tensor, shared_gate
     return y
 
 
-__all__ = ["GEMV_MAX_TOKENS", "experts_gemv", "gemv_step"]
+__all__ = ["GEMV_MAX_TOKENS", "experts_gemv", "gemv_step", "shared_gate_up_rows"]
