@@ -1,0 +1,16 @@
+# round 20's next call (c13), not run: on an H100, a throwaway run first (a fresh machine's first run reads its
+# MoE kernels 1-3 us slower), then main (this tree: the shared expert's gate/up rows + the MoE tuner's 16-row
+# probes) and .probe/base (`git archive fab6bcb`, before both) alternating at decode 1 / 2; on an H200 the issue's
+# 60-layer table (c8.sh: MXFP8 then bf16) on main
+. .probe/setup.sh
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "$mem" -gt 120000 ]; then bash .probe/c8.sh; exit 0; fi
+steps() {  # label tree timeout
+  GRAPHCAP_CACHE_DIR=/tmp/ch_$1 PYTHONPATH=/tmp/site:$PWD/$2 timeout $3 python3 benchmarks/bench_steps.py --label $1 \
+    --routing uniform --quantization mxfp8 --decode 1,2 --iters 20 --top-kernels 6 --chunk 128 --mixed-decodes 1 \
+    --json $OUT/r_steps_$1$SECONDS.json > $OUT/r_steps_$1$SECONDS.log 2>&1; echo "$1 rc=$?"
+  grep -hE "decode (1|2): wall|chose moe (1|2):" $OUT/r_steps_$1*.log | tail -4 \
+    | grep -o "chose moe [12]: config[0-9]*\|gemv_block_n=[0-9]*\|decode [12]: wall.*graph span .\{22\}" | tr '\n' ' '; echo
+}
+steps warm . 200
+for i in 1 2; do steps main . 90; steps base .probe/base 90; done
