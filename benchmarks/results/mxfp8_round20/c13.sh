@@ -2,6 +2,7 @@
 # MoE kernels 1-3 us slower), then main (this tree: the shared expert's gate/up rows + the MoE tuner's 16-row
 # probes) and .probe/base (`git archive fab6bcb`, before both) alternating at decode 1 / 2; on an H200 the issue's
 # 60-layer table (c8.sh: MXFP8 then bf16) on main
+# (setup: copy ../mxfp8_round15/setup.sh and ../mxfp8_round19/c8.sh into .probe/, .probe/base as above)
 . .probe/setup.sh
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$mem" -gt 120000 ]; then bash .probe/c8.sh; exit 0; fi
