@@ -410,8 +410,8 @@ class MoEProbe:
 # Rows the MoE tuner's probes hold together at decode sizes. One token's 4 picks of 128
 # experts find none of a rank's 16 in 58% of draws (the gate/up launch then streams the shared
 # expert alone), one or more in the rest, and the candidates rank differently in the two cases
-# (H100, kernels alone, ``benchmarks/results/mxfp8_round20/``): a single probe timed one case
-# and the choice at decode 1 followed the seed. Probes of 16 rows in all, each on another
+# (H100, kernels alone, ``benchmarks/results/mxfp8_round20/``): a single probe timed one case,
+# so the choice at decode 1 could follow its seed. Probes of 16 rows in all, each on another
 # layer's weights, time the mix a step meets, read from HBM as the model reads them (a probe
 # that routes to no local expert reads 7 MB, which would stay in L2 across the replays).
 MOE_PROBE_ROWS = 16
