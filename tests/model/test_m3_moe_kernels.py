@@ -684,7 +684,7 @@ def test_gemv_candidates_match_the_dequantized_weights(T, hot):
 
 def test_gemv_shared_expert_gets_rows_of_its_own():
     """The gate/up programs of a shared expert narrower than a routed one take fewer rows and a
-    longer step (as many programs as an expert, the same bytes a step); the results still match
+    longer step (more programs than the routed tile gives it, the same bytes a step); the results still match
     the dequantised torch twin (here Is = I / 4: 8-row routed sets give 2-row shared ones)."""
     from models.minimax_m3.kernels.moe_gemv import shared_gate_up_rows
 

@@ -14,11 +14,12 @@ then the shared one), not one per local expert: slot ``s`` takes the ``s``-th ro
 pairs in id order (``_slot_expert``), the last slot the shared expert, and a slot with no expert
 returns at once. With narrow row sets an expert needs ~1500 programs, so launching them for all
 16 local experts would schedule ~25000 programs that do nothing. Axis 1 covers an expert's
-columns; in the gate/up kernel the shared expert's programs take fewer rows with a longer step
-(``shared_gate_up_rows``), so its narrower expert gets as many programs as a routed one. A
+columns; in the gate/up kernel the shared expert's programs take fewer rows (at least 2) with a
+longer step (``shared_gate_up_rows``), so its narrower expert gets more programs than the routed
+tile would give it (at rank-of-8 384 instead of 48-192; a routed expert gets 384-1536). A
 program takes its expert's pairs one at a time, each re-reading the program's weight rows (from
-L2 after the first), so any pair count is correct; the form is offered where experts hold a
-pair or two (``GEMV_MAX_TOKENS``). A first version took two pairs a pass (two accumulators): the
+L2 after the first), so any pair count is correct; the form is offered where experts hold a pair
+or two (``GEMV_MAX_TOKENS``). A first version took two pairs a pass (two accumulators): the
 one-pair experts, the common case there, paid the second one's registers and FMAs for nothing,
 and at decode 2 the tuner kept the tensor-core tiles. No atomics: every output element comes
 from one program in a fixed order.
@@ -68,10 +69,11 @@ def gemv_step(k: int, block_k: int) -> int:
 
 
 def shared_gate_up_rows(block_n: int, block_k: int, I: int, Is: int, H: int) -> tuple[int, int]:
-    """``(rows, step)`` of a gate/up program on the shared expert: about as many programs as a
-    routed expert's ``I`` columns get at ``block_n`` rows (``Is`` is ``I / 8`` for rank-of-8, so
-    ``block_n / 8`` rows, at least a gate and an up row), the step widened so that a program
-    keeps the routed tile's bytes in flight (``block_n * block_k`` weights a step).
+    """``(rows, step)`` of a gate/up program on the shared expert: ``block_n * Is / I`` rows (the
+    routed expert's program count, where that is at least a gate and an up row; ``Is`` is
+    ``I / 8`` for rank-of-8, so 2 rows and half an expert's programs at the 8-row set), the step
+    widened so that a program keeps the routed tile's bytes in flight (``block_n * block_k``
+    weights a step).
 
     Why: with the routed tile the shared expert's 768 rows got ``I / Is`` times fewer programs
     than an expert (96 of 8 rows at rank-of-8), each streaming its 6144-byte rows with a few
