@@ -296,7 +296,7 @@ class FusedMoE:
         no chosen count of its kind validates the default alone (no timing), once: the
         counts after it take that. (Taking the default wherever it had passed missed starts
         that read their choices from the store, which validates only the stored choice.)"""
-        from .kernels.moe import default_moe_config, fused_moe_torch, moe_config_candidates
+        from .kernels.moe import default_moe_config, moe_config_candidates
 
         if num_tokens in self._configs:
             return
@@ -327,13 +327,7 @@ class FusedMoE:
         timed = {name: (lambda c=c: run_all(c)) for name, c in by_name.items()}
 
         def reference() -> torch.Tensor:
-            outs = []
-            for p in probes:
-                ex, psh = p.moe.experts, p.moe.shared_experts
-                outs.append(fused_moe_torch(p.x, p.ids, p.w, ex.w13, ex.w2, psh.gate_up_proj.weight,
-                                            psh.down_proj.weight, p.moe.alpha, p.moe.limit, torch.empty_like(p.x),
-                                            scales=moe_scales(p.moe)))
-            return torch.cat(outs)
+            return torch.cat([p.reference() for p in probes])
 
         e, two_i, h = moe.experts.w13.shape
         weights = "mxfp8" if moe.experts.quantized else str(dtype)
@@ -405,6 +399,32 @@ class MoEProbe:
     x: torch.Tensor
     ids: torch.Tensor
     w: torch.Tensor
+
+    def reference(self) -> torch.Tensor:
+        """The probe through ``fused_moe_torch`` on only the local experts it routes to, ``[T, H]``
+        (at least one: none routed runs expert 0 with every id -1; all routed runs the layer's
+        tensors as they are, no copy). The same sums in the same order as over every expert (an
+        expert no row picks adds exact zeros), so the same values up to the sign of a zero. Why:
+        ``dequantize_mxfp8`` takes a whole MXFP8 layer's experts through fp32 (about 5 GB at
+        rank-of-8), for a decode-sized probe that reaches one or two of them; the tuner runs
+        ``moe_probe_count`` probes per decode size and again at every start that validates a
+        stored choice."""
+        from .kernels.moe import MoEScales, fused_moe_torch
+
+        ex, sh = self.moe.experts, self.moe.shared_experts
+        w13, w2, ids, scales = ex.w13, ex.w2, self.ids, moe_scales(self.moe)
+        used = torch.unique(ids[ids >= 0]).long()  # a host sync: start-up work, never captured
+        if used.numel() < w13.shape[0]:
+            if used.numel() == 0:
+                used = torch.zeros(1, dtype=torch.long, device=ids.device)
+            local = torch.full((w13.shape[0],), -1, dtype=torch.int32, device=ids.device)
+            local[used] = torch.arange(used.numel(), dtype=torch.int32, device=ids.device)
+            ids = torch.where(ids >= 0, local[ids.clamp(min=0).long()], -1).to(torch.int32).contiguous()
+            w13, w2 = w13[used], w2[used]
+            if scales is not None:
+                scales = MoEScales(scales.w13[used], scales.w2[used], scales.shared_gate_up, scales.shared_down)
+        return fused_moe_torch(self.x, ids, self.w, w13, w2, sh.gate_up_proj.weight, sh.down_proj.weight,
+                               self.moe.alpha, self.moe.limit, torch.empty_like(self.x), scales=scales)
 
 
 # Rows the MoE tuner's probes hold together at decode sizes. One token's 4 picks of 128

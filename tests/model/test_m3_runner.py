@@ -358,6 +358,40 @@ def test_moe_tuner_probes_spread_a_small_step_over_layers_and_routings():
     assert torch.equal(first.x, probes[0].x) and torch.equal(first.ids, probes[0].ids)
 
 
+@pytest.mark.parametrize("quantization", [None, "mxfp8"])
+def test_moe_probe_reference_runs_only_the_experts_it_routes_to(quantization):
+    """The tuner's reference for a probe runs ``fused_moe_torch`` on the local experts the probe
+    routes to only (an MXFP8 layer dequantises those, not all), and equals the reference over
+    every expert: with no local expert routed, some (one picked twice by a row), and all."""
+    from models.minimax_m3.kernels.moe import fused_moe_torch
+    from models.minimax_m3.layers import BlockSparseMoE
+    from models.minimax_m3.ops import MoEProbe, moe_scales
+
+    config = MiniMaxM3Config.tiny(quantization=quantization)
+    r = build_from_preset(config, "cpu", torch.float32, producer="torch", max_tokens=16, max_seqs=2, max_seq_len=32)
+    moe = next(m for m in r.model.modules() if isinstance(m, BlockSparseMoE))
+    ex, sh = moe.experts, moe.shared_experts
+    E, H = ex.w13.shape[0], ex.w13.shape[2]
+    assert ex.quantized == (quantization == "mxfp8")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(E, H, generator=gen)
+    cases = {
+        "none": torch.full((E, 2), -1),
+        "some": torch.tensor([[3, -1], [5, 3], [-1, -1], [5, 5]] + [[-1, -1]] * (E - 4)),
+        "all": torch.stack([torch.arange(E), torch.arange(E).flip(0)], 1),
+    }
+    seen = []
+    for name, ids in cases.items():
+        ids = ids.to(torch.int32).contiguous()
+        w = torch.where(ids >= 0, torch.rand(ids.shape, generator=gen) + 0.1, 0.0).contiguous()
+        full = fused_moe_torch(x, ids, w, ex.w13, ex.w2, sh.gate_up_proj.weight, sh.down_proj.weight, moe.alpha,
+                               moe.limit, torch.empty_like(x), scales=moe_scales(moe))
+        got = MoEProbe(moe, x, ids, w).reference()
+        assert torch.equal(got, full), name
+        seen.append(got)
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # the routed experts count
+
+
 def test_fused_moe_validates_once_not_once_per_eager_step_size():
     """An eager step of a size no graph has takes the configuration chosen for the nearest size
     of its kind (decode- or prefill-sized tiles) with no probe (a probe, the reference and the
