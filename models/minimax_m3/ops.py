@@ -406,7 +406,7 @@ class MoEProbe:
         tensors as they are, no copy). The same sums in the same order as over every expert (an
         expert no row picks adds exact zeros), so the same values up to the sign of a zero. Why:
         ``dequantize_mxfp8`` takes a whole MXFP8 layer's experts through fp32 (about 5 GB at
-        rank-of-8), for a decode-sized probe that reaches one or two of them; the tuner runs
+        rank-of-8), for a decode-sized probe that reaches one to four of them; the tuner runs
         ``moe_probe_count`` probes per decode size and again at every start that validates a
         stored choice."""
         from .kernels.moe import MoEScales, fused_moe_torch

@@ -359,10 +359,11 @@ def test_moe_tuner_probes_spread_a_small_step_over_layers_and_routings():
 
 
 @pytest.mark.parametrize("quantization", [None, "mxfp8"])
-def test_moe_probe_reference_runs_only_the_experts_it_routes_to(quantization):
+def test_moe_probe_reference_runs_only_the_experts_it_routes_to(quantization, monkeypatch):
     """The tuner's reference for a probe runs ``fused_moe_torch`` on the local experts the probe
     routes to only (an MXFP8 layer dequantises those, not all), and equals the reference over
     every expert: with no local expert routed, some (one picked twice by a row), and all."""
+    from models.minimax_m3.kernels import moe as moe_kernels
     from models.minimax_m3.kernels.moe import fused_moe_torch
     from models.minimax_m3.layers import BlockSparseMoE
     from models.minimax_m3.ops import MoEProbe, moe_scales
@@ -380,14 +381,26 @@ def test_moe_probe_reference_runs_only_the_experts_it_routes_to(quantization):
         "some": torch.tensor([[3, -1], [5, 3], [-1, -1], [5, 5]] + [[-1, -1]] * (E - 4)),
         "all": torch.stack([torch.arange(E), torch.arange(E).flip(0)], 1),
     }
+    dequantised = []  # the expert count of each [E, N, K] tensor the reference dequantises
+    dequantize = moe_kernels.dequantize_mxfp8
+
+    def counting(w: torch.Tensor, sc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        dequantised.append(w.shape[0] if w.dim() == 3 else None)
+        return dequantize(w, sc, dtype)
+
+    monkeypatch.setattr(moe_kernels, "dequantize_mxfp8", counting)
     seen = []
     for name, ids in cases.items():
         ids = ids.to(torch.int32).contiguous()
         w = torch.where(ids >= 0, torch.rand(ids.shape, generator=gen) + 0.1, 0.0).contiguous()
         full = fused_moe_torch(x, ids, w, ex.w13, ex.w2, sh.gate_up_proj.weight, sh.down_proj.weight, moe.alpha,
                                moe.limit, torch.empty_like(x), scales=moe_scales(moe))
+        dequantised.clear()
         got = MoEProbe(moe, x, ids, w).reference()
         assert torch.equal(got, full), name
+        if quantization:  # w13 and w2 of the routed experts (at least one), the shared expert's two
+            routed = max(1, len(set(ids.flatten().tolist()) - {-1}))
+            assert dequantised == [routed, routed, None, None], (name, dequantised)
         seen.append(got)
     assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # the routed experts count
 
