@@ -12,13 +12,5 @@ if [ "$mem" -gt 120000 ]; then
   python3 -c "import json; print('capture_s', json.load(open('$OUT/s_steps_mxfp8.json')).get('capture_s'))"
   exit 0
 fi
-steps() {  # label tree timeout
-  GRAPHCAP_CACHE_DIR=/tmp/ch_$1 PYTHONPATH=/tmp/site:$PWD/$2 timeout $3 python3 benchmarks/bench_steps.py --label $1 \
-    --routing uniform --quantization mxfp8 --decode 1,2 --iters 20 --top-kernels 6 --chunk 128 --mixed-decodes 1 \
-    --json $OUT/r_steps_$1$SECONDS.json > $OUT/r_steps_$1$SECONDS.log 2>&1; echo "$1 rc=$?"
-  grep -hE "decode (1|2): wall|chose moe (1|2):" $OUT/r_steps_$1*.log | tail -4 \
-    | grep -o "chose moe [12]: config[0-9]*\|gemv_block_n=[0-9]*\|decode [12]: wall.*graph span .\{22\}" | tr '\n' ' '
-  python3 -c "import json,sys; print(' capture_s', [json.load(open(f)).get('capture_s') for f in sys.argv[1:]])" \
-    $(ls -tr $OUT/r_steps_$1*.json 2>/dev/null)
-}
+. .probe/steps.sh
 steps main . 200; steps base .probe/base 110; steps main . 90
