@@ -311,8 +311,7 @@ class FusedMoE:
         probes = self._probes(model, num_tokens, moe_probe_count(num_tokens) if timing else 1)
         if not probes:
             return
-        moe, x = probes[0].moe, probes[0].x
-        dtype = x.dtype
+        moe, dtype = probes[0].moe, probes[0].x.dtype  # the first probe's layer names the shapes
         sh = moe.shared_experts
         configs = moe_config_candidates(num_tokens, *self._fp8_paths(model, moe))
         if not timing:
