@@ -128,9 +128,10 @@ class MoEConfig:
             one K = 128 dot per step, no per-block product to wait for, no row split); only
             for scales within ``F16_SCALE_EXPONENTS`` (``scales_fit_f16``).
         mma_tail_t: with ``fp8_mma`` and below ``mma_block_t``: an expert's last tile of at
-            most that many pairs runs as a tile of that size (with ~66 pairs per routed expert
-            in a 1054-token step, 64-pair tiles leave a tail of a few pairs that a full tile's
-            dots would pad to 64); at or above ``mma_block_t`` (the default) no smaller tile.
+            most that many pairs runs as a tile of that size (a 1054-token step routes ~33 pairs
+            to each of the 16 local experts at TP8, 4 of 128 experts a token: about half of them
+            then fit a 32-pair tile, where a 64-pair tile's dots would pad them to 64); at or
+            above ``mma_block_t`` (the default) no smaller tile.
         mma_max_regs: with ``fp8_mma``, a cap on each thread's registers in its two GEMM
             kernels (Triton's ``maxnreg``; 255, the default: no cap below the hardware's). The
             f16 form at 64 x 64 tiles takes 216-244 registers, two 128-thread programs an SM;
