@@ -257,6 +257,12 @@ class RoutingSpread:
         return sum(self.pairs) / len(self.pairs)
 
     @property
+    def pairs_per_expert(self) -> float:
+        """Mean pairs a touched local expert holds: the rows an MoE kernel's pair tiles see (a
+        1054-token step of rank-of-8, 4 of 128 experts a token, gives each of its 16 ~33)."""
+        return self.mean_pairs / self.mean_distinct if self.mean_distinct else 0.0
+
+    @property
     def ratio(self) -> float:
         """Mean distinct local experts over the uniform expectation."""
         return self.mean_distinct / self.uniform_distinct
@@ -269,7 +275,8 @@ class RoutingSpread:
         line = (f"expert spread ({self.routing} routing, decode {self.tokens}, {len(self.distinct)} MoE layers): "
                 f"{self.mean_distinct:.1f} distinct local experts per layer (of {self.local}; uniform routing "
                 f"{self.uniform_distinct:.1f}: {self.ratio:.2f}x), {self.mean_pairs:.1f} local pairs per layer "
-                f"(uniform {self.uniform_pairs:.1f}), min {min(self.distinct)} / max {max(self.distinct)} experts")
+                f"(uniform {self.uniform_pairs:.1f}; {self.pairs_per_expert:.1f} per touched expert), "
+                f"min {min(self.distinct)} / max {max(self.distinct)} experts")
         if not self.realistic:
             line += (f"\n*** WARNING: routing touches {self.ratio:.2f}x the experts uniform routing would (< "
                      f"{SPREAD_WARNING}x): MoE figures read too few weight bytes to stand for a deployment; run "
@@ -279,7 +286,7 @@ class RoutingSpread:
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "uniform_distinct": self.uniform_distinct,
                 "uniform_pairs": self.uniform_pairs, "mean_distinct": self.mean_distinct,
-                "mean_pairs": self.mean_pairs, "ratio": self.ratio}
+                "mean_pairs": self.mean_pairs, "pairs_per_expert": self.pairs_per_expert, "ratio": self.ratio}
 
 
 class RecordingMoE:

@@ -62,6 +62,15 @@ def test_init_random_balances_routing_like_uniform(make):
         assert "WARNING" in raw.describe() and "WARNING" not in balanced.describe()
 
 
+def test_spread_reports_pairs_per_touched_expert():
+    """The spread line gives the pairs a touched local expert holds (mean pairs over mean distinct
+    experts), what an MoE kernel's pair tiles see; no expert touched reads 0."""
+    s = RoutingSpread("uniform", tokens=8, top_k=4, num_experts=128, local=16, distinct=(2, 4), pairs=(6, 10))
+    assert s.pairs_per_expert == pytest.approx(8 / 3)
+    assert "2.7 per touched expert" in s.describe() and s.as_dict()["pairs_per_expert"] == pytest.approx(8 / 3)
+    assert RoutingSpread("uniform", 1, 4, 128, 16, (0,), (0,)).pairs_per_expert == 0.0
+
+
 def test_calibrated_bias_is_deterministic_and_leaves_the_model_detached():
     config = many_experts()
     a = build_from_preset(config, max_tokens=64, max_seqs=4, max_seq_len=64)
